@@ -1,0 +1,123 @@
+//! `cargo xtask bench ...`: runs a benchmark and writes its figures, with the command that
+//! made them and the machine they were made on, into `docs/benchmarks/`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::Context;
+use serde_json::Value;
+
+use crate::sh;
+
+/// Median time of one criterion benchmark iteration, in nanoseconds.
+fn median_ns(id: &str) -> anyhow::Result<f64> {
+    let path = sh::root()
+        .join("target/criterion")
+        .join(id)
+        .join("new/estimates.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("no criterion estimates at {}", path.display()))?;
+    let estimates: Value = serde_json::from_str(&text)?;
+    estimates["median"]["point_estimate"]
+        .as_f64()
+        .context("estimates without a median")
+}
+
+fn command_output(program: &str, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    format!(
+        "{cpu}, {} cores; {}; {}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        command_output("rustc", &["--version"]),
+        command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+    )
+}
+
+/// Keys natively and in wasm, and event decoding -> `docs/benchmarks/core.md`.
+pub fn core() -> anyhow::Result<()> {
+    sh::ensure_wasm_target()?;
+    sh::cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "kvaffine-wasm-kernel",
+        "--target",
+        sh::WASM_TARGET,
+    ])?;
+    let kernel = sh::root().join("target/wasm32-wasip1/release/kvaffine_wasm_kernel.wasm");
+    sh::run(
+        Command::new(sh::cargo_bin())
+            .args(["bench", "-p", "kvaffine-core-bench", "--bench", "core"])
+            .env("KVAFFINE_WASM_KERNEL", &kernel),
+    )?;
+    const TOKENS: f64 = 8192.0;
+    const ENTRIES: f64 = 128.0;
+    let native = TOKENS / median_ns("keys/native")? * 1e3;
+    let wasm = TOKENS / median_ns("keys/wasm")? * 1e3;
+    let decode = ENTRIES / median_ns("decode/block_entries")? * 1e3;
+    let native_hash_share = median_ns("keys/native_sha256_only")? / median_ns("keys/native")?;
+    let wasm_hash_share = median_ns("keys/wasm_sha256_only")? / median_ns("keys/wasm")?;
+    let mut md = String::new();
+    writeln!(md, "# Core throughput\n")?;
+    writeln!(
+        md,
+        "Command: `cargo xtask bench core` (criterion medians; one run, one process, so the native/wasm ratio is side by side)."
+    )?;
+    writeln!(md, "Machine: {}.\n", machine())?;
+    writeln!(md, "| what | median | aim |")?;
+    writeln!(md, "|---|---|---|")?;
+    writeln!(
+        md,
+        "| block keys, native (sha256_cbor, 64-token blocks, 8,192-token prompt) | {native:.1} M tokens/s | >= 100 M tokens/s |"
+    )?;
+    writeln!(
+        md,
+        "| block keys, wasm32-wasip1 under wasmtime (Cranelift) | {wasm:.1} M tokens/s | >= 30 M tokens/s |"
+    )?;
+    writeln!(
+        md,
+        "| KV-event decode (map layout, 32 BlockStored x 4 blocks, 64 tokens each) | {decode:.2} M block entries/s | >= 2 M block entries/s |"
+    )?;
+    writeln!(
+        md,
+        "\nwasm / native: {:.2}. One 8,192-token prompt costs {:.0} us native, {:.0} us in wasm.\n",
+        wasm / native,
+        median_ns("keys/native")? / 1e3,
+        median_ns("keys/wasm")? / 1e3
+    )?;
+    writeln!(
+        md,
+        "SHA-256 alone over same-sized preimages takes {:.0}% of the keying time natively and {:.0}% in wasm (`keys/*_sha256_only`).\n",
+        native_hash_share * 100.0,
+        wasm_hash_share * 100.0
+    )?;
+    md.push_str(include_str!("bench_core_notes.md"));
+    let out = sh::root().join("docs/benchmarks/core.md");
+    write(&out, &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}

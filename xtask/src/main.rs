@@ -1,0 +1,62 @@
+//! `cargo xtask`: the project's one front door. Every command installs what it needs
+//! itself, so a fresh machine needs nothing but the Rust toolchain.
+
+mod bench;
+mod demo;
+mod sh;
+
+use anyhow::bail;
+
+const USAGE: &str = "usage: cargo xtask <command>
+
+commands:
+  demo          show what kvaffine computes, end to end as far as it is built
+  test          every check CI runs: fmt, clippy (native and wasm32), all tests
+  bench core    key and event-decode throughput -> docs/benchmarks/core.md";
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["demo"] => demo::run(),
+        ["test"] => test(),
+        ["bench", "core"] => bench::core(),
+        ["help" | "--help" | "-h"] | [] => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown command {other:?}\n\n{USAGE}"),
+    }
+}
+
+/// Everything CI checks, in the order that fails fastest.
+fn test() -> anyhow::Result<()> {
+    sh::ensure_wasm_target()?;
+    sh::ensure_lint_components()?;
+    sh::cargo(&["fmt", "--all", "--", "--check"])?;
+    sh::cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    // The core must build unchanged for the filter's target.
+    sh::cargo(&[
+        "clippy",
+        "-p",
+        "kvaffine-core",
+        "-p",
+        "kvaffine-wasm-kernel",
+        "--target",
+        sh::WASM_TARGET,
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    let (passed, failed) = sh::cargo_test(&["test", "--workspace"])?;
+    // The plain closing line CI reads, summed over every test binary above.
+    println!("xtask test: {passed} passed, {failed} failed");
+    Ok(())
+}

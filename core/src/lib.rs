@@ -4,6 +4,7 @@
 //! * [`keys`]: vLLM's prefix-cache block keys (`sha256_cbor`, `xxhash_cbor`), incremental.
 //! * [`events`]: vLLM's KV-event batches (decode, encode) and their ZMQ framing.
 //! * [`salt`]: `cache_salt` validation, as vLLM validates it.
+//! * [`pick`]: the ranking policy, "sticky until saturated".
 //!
 //! The crate builds unchanged for `wasm32-wasip1` (the Envoy filter) and natively (the
 //! daemon, the emulator, tests).
@@ -22,10 +23,12 @@
 mod cbor;
 pub mod events;
 pub mod keys;
+pub mod pick;
 pub mod salt;
 
 pub use keys::{
     BlockKey, DEFAULT_NONE_HASH_SEED, Digest, HashAlgo, KeyChain, KeyConfig, KeyConfigError,
     KeyExtras, LoraAdapter, MAX_DIGEST_LEN, VllmCompat,
 };
+pub use pick::{Candidate, Load, PickPolicy, PickReason};
 pub use salt::{CacheSalt, CacheSaltError, MAX_CACHE_SALT_CHARS};

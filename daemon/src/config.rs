@@ -1,0 +1,240 @@
+//! What `kvaffined serve` is told, validated before any socket is opened: every bad entry
+//! is reported, then the command fails once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::Args;
+use kvaffine_core::{HashAlgo, KeyConfig, PickPolicy, VllmCompat};
+use serde::Deserialize;
+
+/// Flags of `kvaffined serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Address of the lookup API. Loopback by default: the gateway runs beside it.
+    #[arg(long, default_value = "127.0.0.1:9100")]
+    pub listen: SocketAddr,
+    /// vLLM's `--block-size`.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub block_size: u32,
+    /// vLLM's `--prefix-caching-hash-algo` (sha256_cbor or xxhash_cbor).
+    #[arg(long, default_value = "sha256_cbor")]
+    pub hash_algo: HashAlgo,
+    /// The replicas' `PYTHONHASHSEED`, if set.
+    #[arg(long)]
+    pub hash_seed: Option<String>,
+    /// Extra-key encoding of the replicas' vLLM: 0.31 (>= 0.31) or 0.30.
+    #[arg(long, default_value = "0.31")]
+    pub vllm_compat: VllmCompat,
+    /// A JSON file of endpoints, re-read when it changes (see docs/daemon.md).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// `HOST:PORT=EVENTS_URL[,REPLAY_URL]`: a replica's HTTP address (what the gateway pins
+    /// to) and its ZMQ PUB and replay (ROUTER) endpoints. Repeatable.
+    #[arg(long = "endpoint", value_parser = parse_endpoint)]
+    pub endpoints: Vec<EndpointSpec>,
+    /// The replicas' `kv-events-config` topic.
+    #[arg(long, default_value = "")]
+    pub topic: String,
+    /// `NAME=PATH` of a LoRA adapter as replicas load it (vLLM >= 0.31 keys the path).
+    #[arg(long = "lora", value_parser = parse_lora)]
+    pub loras: Vec<(String, String)>,
+    /// Most keys one lookup may carry (more: 413).
+    #[arg(long, default_value_t = 16_384)]
+    pub max_keys: usize,
+    /// Most (block, endpoint) entries the index holds; past it new blocks are dropped and
+    /// counted. Size it to the fleet's total KV blocks.
+    #[arg(long, default_value_t = 50_000_000)]
+    pub max_entries: usize,
+    /// How long a booked pick counts as holding its prefix before events confirm it.
+    #[arg(long, default_value_t = 2000)]
+    pub booking_ttl_ms: u64,
+    /// How often each replica's `/metrics` is scraped.
+    #[arg(long, default_value_t = 500)]
+    pub scrape_interval_ms: u64,
+    /// A replica with this many waiting requests is saturated.
+    #[arg(long, default_value_t = PickPolicy::default().max_waiting)]
+    pub max_waiting: u32,
+    /// A replica with this many pending prefill tokens is saturated.
+    #[arg(long, default_value_t = PickPolicy::default().max_pending_prefill_tokens)]
+    pub max_pending_prefill_tokens: u64,
+    /// Matches shorter than this many blocks count as none.
+    #[arg(long, default_value_t = PickPolicy::default().min_matched_blocks)]
+    pub min_matched_blocks: usize,
+    /// Give up on a replay that has not finished after this long.
+    #[arg(long, default_value_t = 5000)]
+    pub replay_timeout_ms: u64,
+}
+
+/// One replica as kvaffine follows it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Deserialize)]
+pub struct EndpointSpec {
+    /// `HOST:PORT` of the replica's HTTP server: the value the gateway pins to.
+    pub endpoint: String,
+    /// Its ZMQ PUB endpoint.
+    pub events: String,
+    /// Its ZMQ replay (ROUTER) endpoint, if it has one.
+    #[serde(default)]
+    pub replay: Option<String>,
+}
+
+fn parse_endpoint(text: &str) -> Result<EndpointSpec, String> {
+    let (endpoint, urls) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?}: expected HOST:PORT=EVENTS_URL[,REPLAY_URL]"))?;
+    let (events, replay) = match urls.split_once(',') {
+        Some((events, replay)) => (events, Some(replay.to_owned())),
+        None => (urls, None),
+    };
+    let spec = EndpointSpec {
+        endpoint: endpoint.to_owned(),
+        events: events.to_owned(),
+        replay,
+    };
+    spec.validate().map_err(|e| format!("{text:?}: {e}"))?;
+    Ok(spec)
+}
+
+fn parse_lora(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(n, p)| (n.to_owned(), p.to_owned()))
+        .ok_or_else(|| format!("{text:?}: expected NAME=PATH"))
+}
+
+impl EndpointSpec {
+    fn validate(&self) -> Result<(), String> {
+        let (host, port) = self
+            .endpoint
+            .rsplit_once(':')
+            .ok_or("endpoint must be HOST:PORT")?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err("endpoint must be HOST:PORT".into());
+        }
+        for url in std::iter::once(&self.events).chain(self.replay.as_ref()) {
+            if !(url.starts_with("tcp://")
+                || url.starts_with("ipc://")
+                || url.starts_with("inproc://"))
+            {
+                return Err(format!("{url:?} is not a ZMQ endpoint (tcp://, ipc://)"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The config file: a superset of what flags can say, re-read when it changes.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// Replicas followed in addition to the `--endpoint` flags.
+    #[serde(default)]
+    pub endpoints: Vec<EndpointSpec>,
+}
+
+impl ConfigFile {
+    /// Parses and validates the file's text.
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        let file: Self = serde_json::from_str(text)?;
+        let errors: Vec<String> = file
+            .endpoints
+            .iter()
+            .filter_map(|e| {
+                e.validate()
+                    .err()
+                    .map(|err| format!("{}: {err}", e.endpoint))
+            })
+            .collect();
+        if !errors.is_empty() {
+            bail!("invalid endpoints: {}", errors.join("; "));
+        }
+        Ok(file)
+    }
+}
+
+/// Settings derived once from the flags.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How replicas key blocks.
+    pub keys: KeyConfig,
+    /// The ranking knobs.
+    pub policy: PickPolicy,
+    /// The `kv-events-config` topic.
+    pub topic: String,
+    /// LoRA adapter paths by name.
+    pub lora_paths: HashMap<String, String>,
+    /// Most keys per lookup.
+    pub max_keys: usize,
+    /// Index entry bound.
+    pub max_entries: usize,
+    /// Booking lifetime.
+    pub booking_ttl: Duration,
+    /// Scrape period.
+    pub scrape_interval: Duration,
+    /// Replay deadline.
+    pub replay_timeout: Duration,
+}
+
+impl ServeArgs {
+    /// Derives the settings, or says everything that is wrong at once.
+    pub fn settings(&self) -> anyhow::Result<Settings> {
+        let keys = KeyConfig::new(
+            self.hash_algo,
+            self.block_size as usize,
+            self.hash_seed.as_deref(),
+            self.vllm_compat,
+        )?;
+        if self.max_keys == 0 {
+            bail!("--max-keys must be at least 1");
+        }
+        Ok(Settings {
+            keys,
+            policy: PickPolicy {
+                max_waiting: self.max_waiting,
+                max_pending_prefill_tokens: self.max_pending_prefill_tokens,
+                min_matched_blocks: self.min_matched_blocks,
+            },
+            topic: self.topic.clone(),
+            lora_paths: self.loras.iter().cloned().collect(),
+            max_keys: self.max_keys,
+            max_entries: self.max_entries,
+            booking_ttl: Duration::from_millis(self.booking_ttl_ms),
+            scrape_interval: Duration::from_millis(self.scrape_interval_ms.max(10)),
+            replay_timeout: Duration::from_millis(self.replay_timeout_ms),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_flags_parse_with_and_without_replay() {
+        let spec = parse_endpoint("10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558").unwrap();
+        assert_eq!(spec.endpoint, "10.0.0.5:8000");
+        assert_eq!(spec.replay.as_deref(), Some("tcp://10.0.0.5:5558"));
+        assert_eq!(parse_endpoint("h:1=tcp://h:2").unwrap().replay, None);
+        for bad in [
+            "h:1",
+            "h=tcp://x:1",
+            "h:port=tcp://x:1",
+            "h:1=http://x:1",
+            "h:1=tcp://x:1,udp://y",
+        ] {
+            assert!(parse_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn config_files_reject_unknown_fields_and_bad_endpoints() {
+        let ok = r#"{"endpoints":[{"endpoint":"a:1","events":"tcp://a:2","replay":"tcp://a:3"}]}"#;
+        assert_eq!(ConfigFile::parse(ok).unwrap().endpoints.len(), 1);
+        assert!(ConfigFile::parse(r#"{"endpoint":[]}"#).is_err());
+        assert!(
+            ConfigFile::parse(r#"{"endpoints":[{"endpoint":"a","events":"tcp://a:2"}]}"#).is_err()
+        );
+    }
+}

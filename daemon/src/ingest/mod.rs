@@ -1,0 +1,383 @@
+//! Following one replica's KV events: a ZMQ SUB for the live stream and a DEALER for
+//! replays, on a thread of its own (libzmq sockets are blocking and not shareable across
+//! threads), applying to the shared index under a short write lock per batch.
+
+mod apply;
+mod sequencer;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use kvaffine_core::events::{self, EventBatch, KvEvent, ReplayMessage};
+use tracing::{debug, error, info, warn};
+
+pub use apply::{Alignment, Applier, ApplyReport};
+pub use sequencer::{Action, Sequencer};
+
+use crate::metrics::EventLabel;
+use crate::state::{Daemon, Endpoint};
+
+/// How long a poll waits before the thread checks whether it should stop.
+const POLL: Duration = Duration::from_millis(50);
+/// Messages a SUB socket queues before libzmq drops (vLLM's own publisher uses the same).
+const RECEIVE_HWM: i32 = 100_000;
+
+/// Starts following `endpoint`; the thread ends when `endpoint.stop` is set.
+pub fn spawn(
+    daemon: Arc<Daemon>,
+    endpoint: Arc<Endpoint>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("ingest {}", endpoint.spec.endpoint))
+        .spawn(move || {
+            if let Err(err) = run(&daemon, &endpoint) {
+                error!(endpoint = %endpoint.spec.endpoint, "event ingestion stopped: {err:#}");
+                endpoint.status.lock().incomplete =
+                    Some(format!("event ingestion stopped: {err:#}"));
+            }
+        })
+}
+
+struct Follower<'a> {
+    daemon: &'a Daemon,
+    endpoint: &'a Endpoint,
+    sequencer: Sequencer,
+    applier: Applier,
+    /// The replay socket. Every replay request gets a fresh one, so the tail of an
+    /// abandoned or superseded replay can never be mistaken for the new one's.
+    dealer: Option<zmq::Socket>,
+    replay_url: Option<String>,
+    replay_started: Option<Instant>,
+    warned_unknown_types: bool,
+}
+
+fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
+    let spec = &endpoint.spec;
+    let sub = daemon.zmq.socket(zmq::SUB)?;
+    sub.set_linger(0)?;
+    sub.set_rcvhwm(RECEIVE_HWM)?;
+    sub.connect(&spec.events)
+        .with_context(|| format!("cannot connect to {}", spec.events))?;
+    sub.set_subscribe(daemon.settings.topic.as_bytes())?;
+    // Connection events of the SUB socket: a reconnect may be to a restarted replica.
+    let monitor_url = format!("inproc://kvaffined-monitor-{}", endpoint.slot.index());
+    sub.monitor(
+        &monitor_url,
+        (zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw()) as i32,
+    )?;
+    let monitor = daemon.zmq.socket(zmq::PAIR)?;
+    monitor.set_linger(0)?;
+    monitor.connect(&monitor_url)?;
+    let mut disconnected = false;
+    let lora_paths = Arc::new(daemon.settings.lora_paths.clone());
+    let mut follower = Follower {
+        daemon,
+        endpoint,
+        sequencer: Sequencer::new(spec.replay.is_some()),
+        applier: Applier::new(endpoint.slot, daemon.settings.keys.clone(), lora_paths),
+        dealer: None,
+        replay_url: spec.replay.clone(),
+        replay_started: None,
+        warned_unknown_types: false,
+    };
+    info!(endpoint = %spec.endpoint, events = %spec.events, replay = ?spec.replay, "following KV events");
+    if follower.replay_url.is_none() {
+        let mut status = endpoint.status.lock();
+        status.synced = true;
+        status.incomplete =
+            Some("no replay endpoint: events missed before connecting or in a gap are lost".into());
+        drop(status);
+        daemon
+            .metrics
+            .incomplete
+            .get_or_create(&endpoint.label)
+            .set(1);
+    }
+    let actions = follower.sequencer.on_connect();
+    follower.perform(actions)?;
+    while !endpoint.stop.load(Ordering::Relaxed) {
+        let (live_ready, monitor_ready, replay_ready) = {
+            let mut items = vec![
+                sub.as_poll_item(zmq::POLLIN),
+                monitor.as_poll_item(zmq::POLLIN),
+            ];
+            if let Some(dealer) = &follower.dealer {
+                items.push(dealer.as_poll_item(zmq::POLLIN));
+            }
+            zmq::poll(&mut items, POLL.as_millis() as i64)?;
+            let ready = |i: usize| items.get(i).is_some_and(|i| i.is_readable());
+            (ready(0), ready(1), ready(2))
+        };
+        if monitor_ready {
+            while let Ok(event) = monitor.recv_multipart(zmq::DONTWAIT) {
+                let code = event
+                    .first()
+                    .and_then(|f| f.get(..2))
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]));
+                if code == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
+                    debug!(endpoint = %spec.endpoint, "event stream disconnected");
+                    disconnected = true;
+                } else if code == Some(zmq::SocketEvent::CONNECTED.to_raw()) && disconnected {
+                    disconnected = false;
+                    info!(endpoint = %spec.endpoint, "event stream reconnected: checking for a restart");
+                    let actions = follower.sequencer.on_reconnect();
+                    follower.perform(actions)?;
+                }
+            }
+        }
+        if live_ready {
+            while let Ok(frames) = sub.recv_multipart(zmq::DONTWAIT) {
+                follower.live(&frames)?;
+            }
+        }
+        if replay_ready {
+            while let Some(frames) = follower
+                .dealer
+                .as_ref()
+                .and_then(|d| d.recv_multipart(zmq::DONTWAIT).ok())
+            {
+                follower.replayed(&frames)?;
+            }
+        }
+        if follower
+            .replay_started
+            .is_some_and(|t| t.elapsed() > daemon.settings.replay_timeout)
+        {
+            warn!(endpoint = %spec.endpoint, "replay did not finish in time");
+            let actions = follower.sequencer.on_replay_end(true);
+            follower.replay_started = None;
+            follower.dealer = None;
+            follower.perform(actions)?;
+            follower.mark_synced();
+        }
+    }
+    Ok(())
+}
+
+impl Follower<'_> {
+    fn live(&mut self, frames: &[Vec<u8>]) -> anyhow::Result<()> {
+        match events::parse_live(frames) {
+            Ok(message) => {
+                let actions = self
+                    .sequencer
+                    .on_live(message.seq, message.payload.to_vec());
+                self.perform(actions)
+            }
+            Err(err) => {
+                self.decode_error(&format!("live message: {err}"));
+                Ok(())
+            }
+        }
+    }
+
+    fn replayed(&mut self, frames: &[Vec<u8>]) -> anyhow::Result<()> {
+        match events::parse_replay(frames) {
+            Ok(ReplayMessage::Batch { seq, payload, .. }) => {
+                let actions = self.sequencer.on_replay_batch(seq, payload.to_vec());
+                self.perform(actions)
+            }
+            Ok(ReplayMessage::End) => {
+                let actions = self.sequencer.on_replay_end(false);
+                self.replay_started = None;
+                self.dealer = None;
+                self.perform(actions)?;
+                self.mark_synced();
+                Ok(())
+            }
+            Err(err) => {
+                self.decode_error(&format!("replay message: {err}"));
+                Ok(())
+            }
+        }
+    }
+
+    fn mark_synced(&self) {
+        let mut status = self.endpoint.status.lock();
+        if !status.synced {
+            info!(endpoint = %self.endpoint.spec.endpoint, next_seq = ?self.sequencer.next_seq(), "caught up with the event stream");
+        }
+        status.synced = true;
+    }
+
+    fn decode_error(&self, what: &str) {
+        self.daemon
+            .metrics
+            .decode_errors
+            .get_or_create(&self.endpoint.label)
+            .inc();
+        debug!(endpoint = %self.endpoint.spec.endpoint, "undecodable {what}");
+    }
+
+    fn perform(&mut self, actions: Vec<Action>) -> anyhow::Result<()> {
+        let mut queue = std::collections::VecDeque::from(actions);
+        while let Some(action) = queue.pop_front() {
+            match action {
+                Action::Apply { seq, payload } => {
+                    if let Some(more) = self.apply(seq, &payload) {
+                        queue.extend(more);
+                    }
+                }
+                Action::RequestReplay(from) => {
+                    if let Some(url) = &self.replay_url {
+                        let dealer = self.daemon.zmq.socket(zmq::DEALER)?;
+                        dealer.set_linger(0)?;
+                        dealer
+                            .connect(url)
+                            .with_context(|| format!("cannot connect to {url}"))?;
+                        let [delimiter, start] = events::replay_request(from);
+                        dealer.send_multipart([delimiter, start], 0)?;
+                        self.dealer = Some(dealer);
+                        self.replay_started = Some(Instant::now());
+                        self.daemon
+                            .metrics
+                            .replays
+                            .get_or_create(&self.endpoint.label)
+                            .inc();
+                        debug!(endpoint = %self.endpoint.spec.endpoint, from, "replay requested");
+                    }
+                }
+                Action::Purge => {
+                    warn!(endpoint = %self.endpoint.spec.endpoint, "sequence went backwards: the replica restarted; purging its blocks");
+                    self.purge();
+                    self.daemon
+                        .metrics
+                        .restarts
+                        .get_or_create(&self.endpoint.label)
+                        .inc();
+                }
+                Action::Incomplete(reason) => {
+                    warn!(endpoint = %self.endpoint.spec.endpoint, "index incomplete: {reason}");
+                    self.daemon
+                        .metrics
+                        .gaps
+                        .get_or_create(&self.endpoint.label)
+                        .inc();
+                    self.daemon
+                        .metrics
+                        .incomplete
+                        .get_or_create(&self.endpoint.label)
+                        .set(1);
+                    self.endpoint.status.lock().incomplete = Some(reason);
+                }
+            }
+        }
+        self.endpoint.status.lock().next_seq = self.sequencer.next_seq();
+        Ok(())
+    }
+
+    fn purge(&mut self) {
+        let slot = self.endpoint.slot;
+        self.daemon.index.write().purge(slot);
+        self.daemon.bookings.lock().forget_slot(slot);
+        self.applier.reset();
+    }
+
+    /// Decodes and applies one batch; returns follow-up actions when it must resync.
+    fn apply(&mut self, seq: u64, payload: &[u8]) -> Option<Vec<Action>> {
+        let batch = match events::decode_batch(payload) {
+            Ok(batch) => batch,
+            Err(err) => {
+                self.decode_error(&format!("batch {seq}: {err}"));
+                return Some(vec![Action::Incomplete(format!(
+                    "batch {seq} did not decode: {err}"
+                ))]);
+            }
+        };
+        let before = self.applier.alignment();
+        let report = {
+            let mut index = self.daemon.index.write();
+            self.applier.apply(&batch, &mut index)
+        };
+        if !report.stored_keys.is_empty() {
+            self.daemon
+                .bookings
+                .lock()
+                .confirm(self.endpoint.slot, &report.stored_keys);
+        }
+        self.record(&batch, &report, before);
+        report.needs_resync.then(|| {
+            self.daemon.bookings.lock().forget_slot(self.endpoint.slot);
+            self.sequencer.resync()
+        })
+    }
+
+    fn record(&mut self, batch: &EventBatch, report: &ApplyReport, before: Alignment) {
+        let metrics = &self.daemon.metrics;
+        let label = &self.endpoint.label;
+        for event in &batch.events {
+            let name = match event {
+                KvEvent::BlockStored(_) => "BlockStored",
+                KvEvent::BlockRemoved(_) => "BlockRemoved",
+                KvEvent::AllBlocksCleared => "AllBlocksCleared",
+            };
+            metrics
+                .events_applied
+                .get_or_create(&EventLabel {
+                    endpoint: label.endpoint.clone(),
+                    event: name.to_owned(),
+                })
+                .inc();
+        }
+        if report.orphans > 0 {
+            metrics
+                .orphans
+                .get_or_create(label)
+                .inc_by(report.orphans as u64);
+        }
+        if report.dropped > 0 {
+            metrics
+                .dropped_entries
+                .get_or_create(label)
+                .inc_by(report.dropped as u64);
+        }
+        if batch.skipped_unknown > 0 && !self.warned_unknown_types {
+            self.warned_unknown_types = true;
+            warn!(endpoint = %label.endpoint, "skipping KV events of unknown types (a newer vLLM?)");
+        }
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let lag = (now - batch.ts).max(0.0);
+        metrics.event_lag.observe(lag);
+        let after = self.applier.alignment();
+        if after != before {
+            for mode in [Alignment::Unknown, Alignment::Aligned, Alignment::Rekeyed] {
+                metrics
+                    .alignment
+                    .get_or_create(&crate::metrics::ModeLabel {
+                        endpoint: label.endpoint.clone(),
+                        mode: mode.as_str().to_owned(),
+                    })
+                    .set(i64::from(mode == after));
+            }
+            match after {
+                Alignment::Rekeyed => error!(
+                    endpoint = %label.endpoint,
+                    "published block hashes are not kvaffine's keys (vLLM's default pickle `sha256`, or another PYTHONHASHSEED?): re-keying from token ids. Run vLLM with --prefix-caching-hash-algo sha256_cbor to avoid the extra work"
+                ),
+                Alignment::Aligned => {
+                    info!(endpoint = %label.endpoint, "published block hashes are kvaffine's keys")
+                }
+                Alignment::Unknown => {}
+            }
+        }
+        let mut status = self.endpoint.status.lock();
+        status.events_applied += batch.events.len() as u64;
+        status.last_event_lag_ms = Some(lag * 1e3);
+        status.alignment = after.as_str();
+        status.rekey_entries = self.applier.rekey_entries();
+        if let Some(size) = report.foreign_block_size {
+            let reason = format!(
+                "events report block size {size}, the daemon runs with {}",
+                self.daemon.settings.keys.block_size()
+            );
+            if status.misconfigured.as_deref() != Some(reason.as_str()) {
+                error!(endpoint = %label.endpoint, "misconfigured: {reason}");
+                metrics.misconfigured.get_or_create(label).set(1);
+                status.misconfigured = Some(reason);
+            }
+        }
+    }
+}

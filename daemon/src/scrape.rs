@@ -1,0 +1,227 @@
+//! Scraping each replica's `/metrics`: its load, its model, and whether its cache settings
+//! are the ones the daemon keys with.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tracing::{error, warn};
+
+use crate::state::{Daemon, Endpoint, ScrapedLoad};
+
+/// What one scrape says about a replica.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Scrape {
+    /// Load, summed (requests) or maxed (KV usage) over engines.
+    pub load: ScrapedLoad,
+    /// `model_name` label of the vLLM series.
+    pub model: Option<String>,
+    /// `block_size` label of `vllm:cache_config_info`.
+    pub block_size: Option<u64>,
+    /// `prefix_caching_hash_algo` label of `vllm:cache_config_info`.
+    pub hash_algo: Option<String>,
+}
+
+/// One sample line: name, labels, value.
+type Sample<'a> = (&'a str, Vec<(&'a str, String)>, f64);
+
+/// Splits `name{a="b",...} value` into its name, labels and value.
+fn sample(line: &str) -> Option<Sample<'_>> {
+    let (head, value) = line.rsplit_once(' ')?;
+    let value: f64 = value.trim().parse().ok()?;
+    let Some((name, rest)) = head.split_once('{') else {
+        return Some((head.trim(), Vec::new(), value));
+    };
+    let body = rest.trim_end().strip_suffix('}')?;
+    let mut labels = Vec::new();
+    let mut chars = body.char_indices();
+    let mut start = 0;
+    while start < body.len() {
+        let eq = body.get(start..)?.find('=')? + start;
+        let key = body.get(start..eq)?.trim().trim_start_matches(',').trim();
+        let mut value = String::new();
+        let mut escaped = false;
+        let mut end = None;
+        for (i, c) in chars.by_ref() {
+            if i <= eq + 1 {
+                continue;
+            }
+            match (escaped, c) {
+                (true, c) => {
+                    value.push(match c {
+                        'n' => '\n',
+                        other => other,
+                    });
+                    escaped = false;
+                }
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    end = Some(i);
+                    break;
+                }
+                (false, c) => value.push(c),
+            }
+        }
+        labels.push((key, value));
+        start = end? + 1;
+    }
+    Some((name, labels, value))
+}
+
+fn label<'a>(labels: &'a [(&str, String)], name: &str) -> Option<&'a str> {
+    labels
+        .iter()
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// Reads the series kvaffine uses from a Prometheus text exposition.
+pub fn parse_metrics(text: &str) -> Scrape {
+    let mut scrape = Scrape::default();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+    {
+        let Some((name, labels, value)) = sample(line) else {
+            continue;
+        };
+        if scrape.model.is_none() && name.starts_with("vllm:") {
+            scrape.model = label(&labels, "model_name").map(str::to_owned);
+        }
+        match name {
+            "vllm:num_requests_running" => scrape.load.running += value as u32,
+            "vllm:num_requests_waiting" => scrape.load.waiting += value as u32,
+            "vllm:kv_cache_usage_perc" => {
+                scrape.load.kv_cache_usage = scrape.load.kv_cache_usage.max(value)
+            }
+            "vllm:cache_config_info" => {
+                scrape.block_size = label(&labels, "block_size").and_then(|v| v.parse().ok());
+                scrape.hash_algo = label(&labels, "prefix_caching_hash_algo").map(str::to_owned);
+            }
+            _ => {}
+        }
+    }
+    scrape
+}
+
+/// Scrapes `endpoint` every interval until it is stopped.
+pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::Client) {
+    let url = format!("http://{}/metrics", endpoint.spec.endpoint);
+    let mut ticker = tokio::time::interval(daemon.settings.scrape_interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !endpoint.stop.load(Ordering::Relaxed) {
+        ticker.tick().await;
+        let result = async {
+            let response = client
+                .get(&url)
+                .timeout(
+                    daemon
+                        .settings
+                        .scrape_interval
+                        .max(std::time::Duration::from_millis(200)),
+                )
+                .send()
+                .await?
+                .error_for_status()?;
+            response.text().await
+        }
+        .await;
+        let mut status = endpoint.status.lock();
+        match result {
+            Ok(text) => {
+                let scrape = parse_metrics(&text);
+                if status.scrape_error.take().is_some() {
+                    tracing::info!(endpoint = %endpoint.spec.endpoint, "metrics reachable again");
+                }
+                status.load = Some(scrape.load);
+                status.model = scrape.model.clone();
+                let misconfigured = mismatch(&daemon, &scrape);
+                if misconfigured != status.misconfigured {
+                    if let Some(reason) = &misconfigured {
+                        error!(endpoint = %endpoint.spec.endpoint, "misconfigured: {reason}");
+                    }
+                    daemon
+                        .metrics
+                        .misconfigured
+                        .get_or_create(&endpoint.label)
+                        .set(i64::from(misconfigured.is_some()));
+                    status.misconfigured = misconfigured;
+                }
+            }
+            Err(err) => {
+                if status.scrape_error.is_none() {
+                    warn!(endpoint = %endpoint.spec.endpoint, "cannot scrape {url}: {err}");
+                }
+                status.scrape_error = Some(err.to_string());
+            }
+        }
+    }
+}
+
+/// Why the replica's cache settings do not match the daemon's, if they do not.
+fn mismatch(daemon: &Daemon, scrape: &Scrape) -> Option<String> {
+    let keys = &daemon.settings.keys;
+    let mut problems = Vec::new();
+    if let Some(size) = scrape.block_size {
+        if size != keys.block_size() as u64 {
+            problems.push(format!(
+                "block_size {size} (the daemon runs with --block-size {})",
+                keys.block_size()
+            ));
+        }
+    }
+    if let Some(algo) = &scrape.hash_algo {
+        if algo != keys.algo().as_str() {
+            problems.push(format!(
+                "prefix_caching_hash_algo {algo} (the daemon computes {}; events are re-keyed)",
+                keys.algo()
+            ));
+        }
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_load_model_and_cache_config_from_vllm_metrics() {
+        let text = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="qwen"} 3.0
+vllm:num_requests_running{engine="1",model_name="qwen"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="qwen"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="qwen"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="qwen"} 0.5
+vllm:cache_config_info{block_size="64",enable_prefix_caching="True",engine="0",model_name="qwen",prefix_caching_hash_algo="sha256_cbor"} 1.0
+vllm:prefix_cache_hits_total{engine="0",model_name="qwen"} 1234.0
+"#;
+        let scrape = parse_metrics(text);
+        assert_eq!(
+            scrape.load,
+            ScrapedLoad {
+                running: 5,
+                waiting: 4,
+                kv_cache_usage: 0.5
+            }
+        );
+        assert_eq!(scrape.model.as_deref(), Some("qwen"));
+        assert_eq!(scrape.block_size, Some(64));
+        assert_eq!(scrape.hash_algo.as_deref(), Some("sha256_cbor"));
+    }
+
+    #[test]
+    fn label_values_may_hold_escapes_commas_and_braces() {
+        let (name, labels, value) = sample(r#"m{a="x,\"y\"}",b="2"} 7"#).unwrap();
+        assert_eq!((name, value), ("m", 7.0));
+        assert_eq!(
+            labels,
+            vec![("a", "x,\"y\"}".to_owned()), ("b", "2".to_owned())]
+        );
+        assert!(sample("garbage").is_none());
+        assert_eq!(
+            parse_metrics("vllm:num_requests_running{ 1\n"),
+            Scrape::default()
+        );
+    }
+}

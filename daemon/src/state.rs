@@ -1,0 +1,287 @@
+//! The daemon's shared state, and the one read path everything serves: lookup.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use kvaffine_core::{Candidate, Load, PickReason};
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+
+use crate::bookings::Bookings;
+use crate::config::{EndpointSpec, Settings};
+use crate::index::{GPU, MAX_SLOTS, PrefixIndex, Slot};
+use crate::metrics::{EndpointLabel, Metrics};
+
+/// Everything the ingest threads, scrapers and HTTP handlers share.
+pub struct Daemon {
+    /// Settings derived from the flags.
+    pub settings: Settings,
+    /// The prefix index.
+    pub index: RwLock<PrefixIndex>,
+    /// Live bookings.
+    pub bookings: Mutex<Bookings>,
+    /// Followed endpoints, in the order they were added.
+    pub endpoints: RwLock<Vec<Arc<Endpoint>>>,
+    /// Exported metrics.
+    pub metrics: Metrics,
+    /// The process's ZMQ context.
+    pub zmq: zmq::Context,
+}
+
+/// One followed replica.
+pub struct Endpoint {
+    /// What it was configured as.
+    pub spec: EndpointSpec,
+    /// Its bit in the index.
+    pub slot: Slot,
+    /// Its metric label.
+    pub label: EndpointLabel,
+    /// What is known of it now.
+    pub status: Mutex<EndpointStatus>,
+    /// Set to stop its ingest thread and scraper.
+    pub stop: AtomicBool,
+}
+
+/// Load as last scraped from the replica's `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ScrapedLoad {
+    /// `vllm:num_requests_running`, summed over engines.
+    pub running: u32,
+    /// `vllm:num_requests_waiting`, summed over engines.
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc`, the highest engine's.
+    pub kv_cache_usage: f64,
+}
+
+/// The state `/v1/endpoints` shows for one replica.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EndpointStatus {
+    /// Caught up with the replica's stream (replayed, or live with no replay socket).
+    pub synced: bool,
+    /// Why its index is known to be missing events, if it is.
+    pub incomplete: Option<String>,
+    /// `unknown`, `aligned` or `rekeyed`.
+    pub alignment: &'static str,
+    /// The next sequence number expected.
+    pub next_seq: Option<u64>,
+    /// Load from the last successful scrape.
+    pub load: Option<ScrapedLoad>,
+    /// `model_name` from its metrics.
+    pub model: Option<String>,
+    /// Why its settings do not match the daemon's, if they do not.
+    pub misconfigured: Option<String>,
+    /// Why the last scrape failed, if it did.
+    pub scrape_error: Option<String>,
+    /// Lag of the last applied batch, from its timestamp.
+    pub last_event_lag_ms: Option<f64>,
+    /// Entries of its engine-hash map (re-keyed endpoints).
+    pub rekey_entries: usize,
+    /// Events applied since it was added.
+    pub events_applied: u64,
+}
+
+/// `POST /v1/lookup`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LookupRequest {
+    /// The request's block keys (event form), block 0 first.
+    pub keys: Vec<u64>,
+    /// Only endpoints serving this model (or not yet known to serve another) are ranked.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Book the first-ranked endpoint for these keys.
+    #[serde(default)]
+    pub book: Option<BookRequest>,
+}
+
+/// The booking part of a lookup.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BookRequest {
+    /// Lifetime in milliseconds (default: `--booking-ttl-ms`).
+    #[serde(default)]
+    pub ttl_ms: Option<u64>,
+}
+
+/// One endpoint in a lookup answer.
+#[derive(Debug, Serialize)]
+pub struct EndpointMatch {
+    /// `HOST:PORT`.
+    pub endpoint: String,
+    /// Leading keys it holds or has booked.
+    pub matched_blocks: u32,
+    /// Leading keys its events confirm (without bookings).
+    pub indexed_blocks: u32,
+    /// Leading keys held in other tiers (`CPU`, ...), by tier.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub tiers: BTreeMap<String, u32>,
+    /// Scraped running requests.
+    pub running: u32,
+    /// Scraped waiting requests.
+    pub waiting: u32,
+    /// Scraped KV-cache usage, 0-1.
+    pub kv_cache_usage: f64,
+    /// Prefill tokens booked on it and not yet confirmed.
+    pub pending_prefill_tokens: u64,
+    /// Its index is known to be complete.
+    pub complete: bool,
+    /// Caught up with its stream.
+    pub synced: bool,
+    /// Its settings match the daemon's (as far as scraped).
+    pub configured: bool,
+    /// Its metrics were reachable at the last scrape (or not yet scraped).
+    pub reachable: bool,
+    /// Key alignment mode.
+    pub alignment: &'static str,
+}
+
+/// `POST /v1/lookup` answer.
+#[derive(Debug, Serialize)]
+pub struct LookupResponse {
+    /// Every known endpoint.
+    pub endpoints: Vec<EndpointMatch>,
+    /// Endpoints to try, best first (those serving the request's model).
+    pub ranked: Vec<String>,
+    /// `complete` when every endpoint's index is, else `incomplete`.
+    pub index: &'static str,
+    /// Why the first ranked endpoint is first.
+    pub reason: &'static str,
+    /// The endpoint booked, when booking was asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub booked: Option<String>,
+}
+
+impl Daemon {
+    /// Fresh state for `settings`.
+    pub fn new(settings: Settings) -> Self {
+        let index = PrefixIndex::new(settings.max_entries);
+        Self {
+            settings,
+            index: RwLock::new(index),
+            bookings: Mutex::new(Bookings::default()),
+            endpoints: RwLock::new(Vec::new()),
+            metrics: Metrics::new(),
+            zmq: zmq::Context::new(),
+        }
+    }
+
+    /// A free slot, if fewer than [`MAX_SLOTS`] endpoints are followed.
+    pub fn free_slot(&self) -> Option<Slot> {
+        let endpoints = self.endpoints.read();
+        (0..MAX_SLOTS)
+            .filter_map(Slot::new)
+            .find(|slot| endpoints.iter().all(|e| e.slot != *slot))
+    }
+
+    /// Ready once every endpoint is synced or flagged incomplete.
+    pub fn ready(&self) -> bool {
+        self.endpoints.read().iter().all(|e| {
+            let status = e.status.lock();
+            status.synced || status.incomplete.is_some()
+        })
+    }
+
+    /// Answers a lookup, booking the pick if asked.
+    pub fn lookup(&self, request: &LookupRequest, now: Instant) -> LookupResponse {
+        let endpoints = self.endpoints.read().clone();
+        let mut bookings = self.bookings.lock();
+        bookings.expire(now);
+        let (matched, indexed, other_tiers) = {
+            let index = self.index.read();
+            let matched = if bookings.is_empty() {
+                None
+            } else {
+                Some(index.longest_prefixes_with(GPU, &request.keys, |k| bookings.holders(k)))
+            };
+            let indexed = index.longest_prefixes(GPU, &request.keys);
+            let tiers: Vec<(String, [u32; MAX_SLOTS])> = index
+                .media()
+                .filter(|m| *m != GPU)
+                .map(|m| (m.to_owned(), index.longest_prefixes(m, &request.keys)))
+                .collect();
+            (matched.unwrap_or(indexed), indexed, tiers)
+        };
+        let pending = bookings.pending_tokens();
+        let mut answers = Vec::with_capacity(endpoints.len());
+        let mut candidates = Vec::with_capacity(endpoints.len());
+        let mut rankable = Vec::with_capacity(endpoints.len());
+        let mut complete = true;
+        for endpoint in &endpoints {
+            let slot = endpoint.slot.index();
+            let status = endpoint.status.lock();
+            let load = status.load.unwrap_or_default();
+            let at = |a: &[u32; MAX_SLOTS]| a.get(slot).copied().unwrap_or(0);
+            let answer = EndpointMatch {
+                endpoint: endpoint.spec.endpoint.clone(),
+                matched_blocks: at(&matched),
+                indexed_blocks: at(&indexed),
+                tiers: other_tiers
+                    .iter()
+                    .filter(|(_, m)| at(m) > 0)
+                    .map(|(name, m)| (name.clone(), at(m)))
+                    .collect(),
+                running: load.running,
+                waiting: load.waiting,
+                kv_cache_usage: load.kv_cache_usage,
+                pending_prefill_tokens: pending.get(slot).copied().unwrap_or(0),
+                complete: status.incomplete.is_none(),
+                synced: status.synced,
+                configured: status.misconfigured.is_none(),
+                reachable: status.scrape_error.is_none(),
+                alignment: status.alignment,
+            };
+            complete &= answer.complete;
+            let serves_model = match (&request.model, &status.model) {
+                (Some(wanted), Some(served)) => wanted == served,
+                _ => true,
+            };
+            if serves_model {
+                rankable.push(answers.len());
+                candidates.push(Candidate {
+                    matched_blocks: answer.matched_blocks as usize,
+                    load: Load {
+                        running: answer.running,
+                        waiting: answer.waiting,
+                        kv_cache_usage: answer.kv_cache_usage,
+                        pending_prefill_tokens: answer.pending_prefill_tokens,
+                    },
+                    usable: answer.reachable,
+                });
+            }
+            answers.push(answer);
+        }
+        let (order, reason) = self.settings.policy.rank(&candidates);
+        let ranked: Vec<String> = order
+            .iter()
+            .filter_map(|&i| rankable.get(i))
+            .filter_map(|&a| answers.get(a))
+            .map(|a| a.endpoint.clone())
+            .collect();
+        let mut booked = None;
+        if let (Some(book), Some(&first)) = (&request.book, order.first()) {
+            if let Some(winner) = rankable.get(first).and_then(|&a| endpoints.get(a)) {
+                let held = candidates.get(first).map_or(0, |c| c.matched_blocks);
+                let block_size = self.settings.keys.block_size() as u64;
+                let uncached = (request.keys.len().saturating_sub(held)) as u64 * block_size;
+                let ttl = book
+                    .ttl_ms
+                    .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
+                bookings.book(winner.slot, &request.keys, uncached, now, ttl);
+                booked = Some(winner.spec.endpoint.clone());
+            }
+        }
+        LookupResponse {
+            endpoints: answers,
+            ranked,
+            index: if complete { "complete" } else { "incomplete" },
+            reason: if endpoints.is_empty() {
+                PickReason::NoCandidates.as_str()
+            } else {
+                reason.as_str()
+            },
+            booked,
+        }
+    }
+}

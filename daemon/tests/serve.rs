@@ -1,0 +1,330 @@
+//! `kvaffined serve` against real ZMQ publishers (vllm-emu's, which behaves as vLLM's
+//! `ZmqEventPublisher`) over loopback, and its real HTTP API.
+
+mod common;
+
+use common::*;
+use kvaffine_core::Digest;
+use serde_json::json;
+use vllm_emu::publisher::{EventPublisher, PublisherConfig};
+
+const A: &str = "127.0.0.1:1";
+const B: &str = "127.0.0.1:2";
+
+fn publisher(ctx: &zmq::Context) -> EventPublisher {
+    EventPublisher::start(ctx, PublisherConfig::default()).unwrap()
+}
+
+fn endpoint_flag(name: &str, p: &EventPublisher) -> String {
+    match p.replay_endpoint() {
+        Some(replay) => format!("{name}={},{replay}", p.endpoint()),
+        None => format!("{name}={}", p.endpoint()),
+    }
+}
+
+fn own(d: &Digest) -> u64 {
+    d.block_key().0
+}
+
+#[test]
+fn replays_events_published_before_it_started_and_follows_live_ones() {
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    let first = prompt(1, 4);
+    pa.publish(&batch(vec![stored(&first, 0, own)])).unwrap();
+    let daemon = DaemonProcess::start(&[
+        "--endpoint",
+        &endpoint_flag(A, &pa),
+        "--endpoint",
+        &endpoint_flag(B, &pb),
+    ]);
+    daemon.wait_ready();
+    assert_eq!(daemon.matched(&keys(&first), A), 4);
+    assert_eq!(daemon.matched(&keys(&first), B), 0);
+    let answer = daemon.lookup(&keys(&first));
+    assert_eq!(answer["index"], "complete");
+    assert_eq!(answer["ranked"][0], A);
+
+    // A continuation stored on B, chained from a prefix B computed itself.
+    let mut longer = first.clone();
+    longer.extend(prompt(2, 2));
+    pb.publish(&batch(vec![stored(&longer, 0, own)])).unwrap();
+    wait_for("B's blocks", || daemon.matched(&keys(&longer), B) == 6);
+    assert_eq!(daemon.matched(&keys(&longer), A), 4);
+    assert_eq!(daemon.lookup(&keys(&longer))["ranked"][0], B);
+    assert_eq!(daemon.endpoint_status(A)["alignment"], "aligned");
+}
+
+#[test]
+fn a_live_gap_is_filled_by_replay() {
+    let ctx = zmq::Context::new();
+    let p = publisher(&ctx);
+    let daemon = DaemonProcess::start(&["--endpoint", &endpoint_flag(A, &p)]);
+    daemon.wait_ready();
+    let (lost, after) = (prompt(10, 3), prompt(11, 2));
+    p.publish_lost(&batch(vec![stored(&lost, 0, own)])).unwrap();
+    p.publish(&batch(vec![stored(&after, 0, own)])).unwrap();
+    wait_for("the lost batch, replayed", || {
+        daemon.matched(&keys(&lost), A) == 3
+    });
+    assert_eq!(daemon.matched(&keys(&after), A), 2);
+    assert!(daemon.metric("kvaffined_replays_total{endpoint=\"127.0.0.1:1\"}") >= 2.0);
+    assert_eq!(daemon.endpoint_status(A)["incomplete"], json!(null));
+}
+
+#[test]
+fn without_a_replay_socket_a_gap_flags_the_endpoint_incomplete_but_keeps_it() {
+    let ctx = zmq::Context::new();
+    let config = PublisherConfig {
+        replay_endpoint: None,
+        ..PublisherConfig::default()
+    };
+    let p = EventPublisher::start(&ctx, config).unwrap();
+    let daemon = DaemonProcess::start(&["--endpoint", &endpoint_flag(A, &p)]);
+    daemon.wait_ready();
+    let answer = daemon.lookup(&[1]);
+    assert_eq!(answer["index"], "incomplete");
+    let live = prompt(20, 2);
+    // The SUB may join after the first messages: publish until one is seen.
+    wait_for("a live batch", || {
+        p.publish(&batch(vec![stored(&live, 0, own)])).unwrap();
+        daemon.matched(&keys(&live), A) == 2
+    });
+    assert_eq!(daemon.lookup(&keys(&live))["ranked"][0], A);
+}
+
+#[test]
+fn a_restarted_replica_is_purged_and_resynced() {
+    // The first "process" has its own context: terminating it releases the ports, as a
+    // process exit does.
+    let first_process = zmq::Context::new();
+    let p = publisher(&first_process);
+    let (pub_url, replay_url) = (
+        p.endpoint().to_owned(),
+        p.replay_endpoint().unwrap().to_owned(),
+    );
+    let old = prompt(30, 3);
+    for _ in 0..3 {
+        p.publish(&batch(vec![stored(&old, 0, own)])).unwrap();
+    }
+    let daemon = DaemonProcess::start(&["--endpoint", &format!("{A}={pub_url},{replay_url}")]);
+    daemon.wait_ready();
+    wait_for("old blocks", || daemon.matched(&keys(&old), A) == 3);
+    drop(p);
+    drop(first_process);
+    let ctx = zmq::Context::new();
+    // The same addresses, a new process: seq starts at 0 again, the cache is empty.
+    let restarted = EventPublisher::start(
+        &ctx,
+        PublisherConfig {
+            endpoint: pub_url.clone(),
+            replay_endpoint: Some(replay_url.clone()),
+            ..PublisherConfig::default()
+        },
+    )
+    .unwrap();
+    let fresh = prompt(31, 2);
+    wait_for("the restart to be seen", || {
+        restarted
+            .publish(&batch(vec![stored(&fresh, 0, own)]))
+            .unwrap();
+        daemon.matched(&keys(&fresh), A) == 2
+    });
+    assert_eq!(
+        daemon.matched(&keys(&old), A),
+        0,
+        "blocks of the old process purged"
+    );
+    assert!(daemon.metric("kvaffined_replica_restarts_total{endpoint=\"127.0.0.1:1\"}") >= 1.0);
+}
+
+#[test]
+fn an_endpoint_publishing_foreign_hashes_is_rekeyed_from_tokens() {
+    let ctx = zmq::Context::new();
+    let p = publisher(&ctx);
+    let tokens = prompt(40, 5);
+    // Blocks 0-2 first, then 3-4 chained from block 2, as vLLM reports a continuation.
+    p.publish(&batch(vec![stored(&tokens[..3 * BLOCK_SIZE], 0, opaque)]))
+        .unwrap();
+    p.publish(&batch(vec![stored(&tokens, 3, opaque)])).unwrap();
+    let daemon = DaemonProcess::start(&["--endpoint", &endpoint_flag(A, &p)]);
+    daemon.wait_ready();
+    wait_for("re-keyed blocks", || daemon.matched(&keys(&tokens), A) == 5);
+    let status = daemon.endpoint_status(A);
+    assert_eq!(status["alignment"], "rekeyed");
+    assert_eq!(status["rekey_entries"], 5);
+    // Evicting block 3 (by its engine hash) cuts the match there.
+    let engine: Vec<u64> = digests(&tokens).iter().map(opaque).collect();
+    p.publish(&batch(vec![removed(&engine[3..4])])).unwrap();
+    wait_for("translated removal", || {
+        daemon.matched(&keys(&tokens), A) == 3
+    });
+    assert_eq!(
+        daemon.metric("kvaffined_endpoint_alignment{endpoint=\"127.0.0.1:1\",mode=\"rekeyed\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn a_foreign_block_size_marks_the_endpoint_misconfigured() {
+    let ctx = zmq::Context::new();
+    let p = publisher(&ctx);
+    let mut event = stored(&prompt(50, 2), 0, own);
+    if let kvaffine_core::events::KvEvent::BlockStored(s) = &mut event {
+        s.block_size = 32;
+    }
+    p.publish(&batch(vec![event])).unwrap();
+    let daemon = DaemonProcess::start(&["--endpoint", &endpoint_flag(A, &p)]);
+    daemon.wait_ready();
+    wait_for("misconfiguration", || {
+        daemon.endpoint_status(A)["misconfigured"]
+            .as_str()
+            .is_some_and(|s| s.contains("block size 32"))
+    });
+    assert_eq!(
+        daemon.metric("kvaffined_endpoint_misconfigured{endpoint=\"127.0.0.1:1\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn removals_cache_resets_and_config_changes_are_applied() {
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    let dir = std::env::temp_dir().join(format!("kvaffined-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("endpoints.json");
+    let entry = |name: &str, p: &EventPublisher| json!({"endpoint": name, "events": p.endpoint(), "replay": p.replay_endpoint()});
+    std::fs::write(&config, json!({"endpoints": [entry(A, &pa)]}).to_string()).unwrap();
+    let daemon = DaemonProcess::start(&["--config", config.to_str().unwrap()]);
+    daemon.wait_ready();
+    let tokens = prompt(60, 4);
+    let k = keys(&tokens);
+    pa.publish(&batch(vec![stored(&tokens, 0, own)])).unwrap();
+    wait_for("stored", || daemon.matched(&k, A) == 4);
+    pa.publish(&batch(vec![removed(&k[2..3])])).unwrap();
+    wait_for("removed", || daemon.matched(&k, A) == 2);
+    pa.publish(&batch(vec![
+        kvaffine_core::events::KvEvent::AllBlocksCleared,
+    ]))
+    .unwrap();
+    wait_for("cleared", || daemon.matched(&k, A) == 0);
+
+    pa.publish(&batch(vec![stored(&tokens, 0, own)])).unwrap();
+    wait_for("stored again", || daemon.matched(&k, A) == 4);
+    let replacement = dir.join("next.json");
+    std::fs::write(
+        &replacement,
+        json!({"endpoints": [entry(B, &pb)]}).to_string(),
+    )
+    .unwrap();
+    std::fs::rename(&replacement, &config).unwrap();
+    wait_for("A removed, B added", || {
+        let answer = daemon.lookup(&k);
+        answer["endpoints"].as_array().unwrap().len() == 1
+            && answer["endpoints"][0]["endpoint"] == B
+    });
+    assert_eq!(daemon.matched(&k, B), 0, "A's blocks never count for B");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_booking_holds_a_fresh_prefix_for_its_siblings_until_it_expires() {
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    let daemon = DaemonProcess::start(&[
+        "--endpoint",
+        &endpoint_flag(A, &pa),
+        "--endpoint",
+        &endpoint_flag(B, &pb),
+    ]);
+    daemon.wait_ready();
+    let k = keys(&prompt(70, 6));
+    let book = |ttl: u64| {
+        let body = json!({"keys": k, "book": {"ttl_ms": ttl}}).to_string();
+        daemon.json("POST", "/v1/lookup", &body).1
+    };
+    let first = book(60_000);
+    let booked = first["booked"].as_str().unwrap().to_owned();
+    assert_eq!(first["reason"], "load");
+    // A sibling with the same prefix, before any event: it follows the booking.
+    let sibling = daemon.lookup(&k);
+    assert_eq!(sibling["ranked"][0], booked.as_str());
+    assert_eq!(sibling["reason"], "prefix");
+    let entry = sibling["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["endpoint"] == booked.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (
+            entry["matched_blocks"].as_u64(),
+            entry["indexed_blocks"].as_u64()
+        ),
+        (Some(6), Some(0))
+    );
+    assert_eq!(entry["pending_prefill_tokens"], 6 * BLOCK_SIZE as u64);
+    // A booking that expires stops counting.
+    let other = keys(&prompt(71, 2));
+    let body = json!({"keys": other, "book": {"ttl_ms": 1}}).to_string();
+    daemon.json("POST", "/v1/lookup", &body);
+    wait_for("expiry", || {
+        daemon.lookup(&other)["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["matched_blocks"] == 0)
+    });
+}
+
+#[test]
+fn malformed_frames_are_counted_and_never_fatal() {
+    let ctx = zmq::Context::new();
+    let p = publisher(&ctx);
+    let daemon = DaemonProcess::start(&["--endpoint", &endpoint_flag(A, &p)]);
+    daemon.wait_ready();
+    let good = prompt(80, 2);
+    wait_for("garbage counted and a good batch applied", || {
+        p.publish_raw(&[b"", b"short"]).unwrap();
+        p.publish_raw(&[b"", &7u64.to_be_bytes(), b"\xc1not msgpack"])
+            .unwrap();
+        p.publish(&batch(vec![stored(&good, 0, own)])).unwrap();
+        daemon.metric("kvaffined_decode_errors_total{endpoint=\"127.0.0.1:1\"}") >= 2.0
+            && daemon.matched(&keys(&good), A) == 2
+    });
+}
+
+#[test]
+fn the_api_answers_bad_requests_with_json_errors() {
+    let daemon = DaemonProcess::start(&["--max-keys", "4"]);
+    let (status, body) = daemon.json("POST", "/v1/lookup", "{not json");
+    assert_eq!(status, 400);
+    assert!(body["error"].as_str().unwrap().contains("invalid request"));
+    let (status, _) = daemon.json("POST", "/v1/lookup", r#"{"keys":[-1]}"#);
+    assert_eq!(status, 400);
+    let (status, body) = daemon.json("POST", "/v1/lookup", r#"{"keys":[1,2,3,4,5]}"#);
+    assert_eq!(status, 413);
+    assert!(body["error"].as_str().unwrap().contains("--max-keys 4"));
+    let huge = format!(r#"{{"keys":[{}]}}"#, vec!["1"; 100_000].join(","));
+    assert_eq!(daemon.json("POST", "/v1/lookup", &huge).0, 413);
+    let answer = daemon.lookup(&[1, 2]);
+    assert_eq!(
+        answer,
+        json!({"endpoints": [], "ranked": [], "index": "complete", "reason": "no-candidates"})
+    );
+    assert_eq!(daemon.request("GET", "/healthz", "").0, 200);
+    assert_eq!(daemon.request("GET", "/readyz", "").0, 200);
+}
+
+#[test]
+fn it_binds_loopback_unless_told_otherwise() {
+    let daemon = DaemonProcess::start(&[]);
+    assert!(daemon.addr.starts_with("127.0.0.1:"));
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_kvaffined"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&help.stdout).contains("[default: 127.0.0.1:9100]"));
+}

@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// to) and its ZMQ PUB and replay (ROUTER) endpoints. Repeatable.
     #[arg(long = "endpoint", value_parser = parse_endpoint)]
     pub endpoints: Vec<EndpointSpec>,
+    /// `HOST:PORT` of a vLLM replica (>= 0.31) whose `/kv_event_sources` names its event
+    /// endpoints, one per data-parallel rank. Repeatable.
+    #[arg(long = "discover")]
+    pub discover: Vec<String>,
     /// The replicas' `kv-events-config` topic.
     #[arg(long, default_value = "")]
     pub topic: String,
@@ -79,6 +83,21 @@ pub struct EndpointSpec {
     /// Its ZMQ replay (ROUTER) endpoint, if it has one.
     #[serde(default)]
     pub replay: Option<String>,
+    /// The data-parallel rank publishing there (each rank of a replica has its own stream;
+    /// lookups report the replica's best rank).
+    #[serde(default)]
+    pub rank: u32,
+}
+
+impl EndpointSpec {
+    /// How this stream is named in logs and metrics: `HOST:PORT`, with `#dpN` for ranks > 0.
+    pub fn stream_name(&self) -> String {
+        if self.rank == 0 {
+            self.endpoint.clone()
+        } else {
+            format!("{}#dp{}", self.endpoint, self.rank)
+        }
+    }
 }
 
 fn parse_endpoint(text: &str) -> Result<EndpointSpec, String> {
@@ -93,6 +112,7 @@ fn parse_endpoint(text: &str) -> Result<EndpointSpec, String> {
         endpoint: endpoint.to_owned(),
         events: events.to_owned(),
         replay,
+        rank: 0,
     };
     spec.validate().map_err(|e| format!("{text:?}: {e}"))?;
     Ok(spec)
@@ -132,6 +152,9 @@ pub struct ConfigFile {
     /// Replicas followed in addition to the `--endpoint` flags.
     #[serde(default)]
     pub endpoints: Vec<EndpointSpec>,
+    /// Replicas discovered through their `/kv_event_sources`, as with `--discover`.
+    #[serde(default)]
+    pub discover: Vec<String>,
 }
 
 impl ConfigFile {

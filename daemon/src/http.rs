@@ -95,6 +95,7 @@ async fn endpoints(State(daemon): State<Arc<Daemon>>) -> Response {
                 "endpoint": e.spec.endpoint,
                 "events": e.spec.events,
                 "replay": e.spec.replay,
+                "rank": e.spec.rank,
                 "slot": e.slot.index(),
                 "status": *e.status.lock(),
             })

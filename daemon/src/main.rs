@@ -1,19 +1,9 @@
 //! `kvaffined`: kvaffine's out-of-band index daemon, and the operator's key tool.
 
-mod bookings;
-mod config;
-mod http;
-mod index;
-mod ingest;
-mod keys_cmd;
-mod metrics;
-mod scrape;
-mod serve;
-mod state;
-
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvaffined::{config, keys_cmd, serve};
 
 /// Command line of `kvaffined`.
 #[derive(Parser)]

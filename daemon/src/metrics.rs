@@ -67,99 +67,111 @@ pub struct Metrics {
     pub incomplete: Family<EndpointLabel, Gauge>,
 }
 
-impl Metrics {
+impl Default for Metrics {
     /// Registers every series under the `kvaffined` prefix.
-    pub fn new() -> Self {
+    fn default() -> Self {
         let mut registry = Registry::with_prefix("kvaffined");
-        let metrics = Self {
-            events_applied: Family::default(),
-            decode_errors: Family::default(),
-            gaps: Family::default(),
-            replays: Family::default(),
-            restarts: Family::default(),
-            orphans: Family::default(),
-            dropped_entries: Family::default(),
-            event_lag: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
-            index_entries: Gauge::default(),
-            index_bytes: Gauge::default(),
-            lookup_seconds: Histogram::new(exponential_buckets(0.000_002, 2.0, 16)),
-            alignment: Family::default(),
-            misconfigured: Family::default(),
-            incomplete: Family::default(),
-            registry: Registry::default(),
-        };
+        let events_applied = Family::<EventLabel, Counter>::default();
+        let decode_errors = Family::<EndpointLabel, Counter>::default();
+        let gaps = Family::<EndpointLabel, Counter>::default();
+        let replays = Family::<EndpointLabel, Counter>::default();
+        let restarts = Family::<EndpointLabel, Counter>::default();
+        let orphans = Family::<EndpointLabel, Counter>::default();
+        let dropped_entries = Family::<EndpointLabel, Counter>::default();
+        let event_lag = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let index_entries = Gauge::default();
+        let index_bytes = Gauge::default();
+        let lookup_seconds = Histogram::new(exponential_buckets(0.000_002, 2.0, 16));
+        let alignment = Family::<ModeLabel, Gauge>::default();
+        let misconfigured = Family::<EndpointLabel, Gauge>::default();
+        let incomplete = Family::<EndpointLabel, Gauge>::default();
         registry.register(
             "events_applied",
             "KV events applied to the index",
-            metrics.events_applied.clone(),
+            events_applied.clone(),
         );
         registry.register(
             "decode_errors",
             "Event payloads or frames that did not decode",
-            metrics.decode_errors.clone(),
+            decode_errors.clone(),
         );
         registry.register(
             "event_gaps",
             "Times events were found lost (sequence gaps)",
-            metrics.gaps.clone(),
+            gaps.clone(),
         );
-        registry.register("replays", "Replay requests sent", metrics.replays.clone());
+        registry.register("replays", "Replay requests sent", replays.clone());
         registry.register(
             "replica_restarts",
             "Replica restarts detected from sequence numbers",
-            metrics.restarts.clone(),
+            restarts.clone(),
         );
         registry.register(
             "rekey_orphans",
             "Blocks of re-keyed endpoints that could not be translated",
-            metrics.orphans.clone(),
+            orphans.clone(),
         );
         registry.register(
             "index_dropped_entries",
             "Index entries refused at --max-entries",
-            metrics.dropped_entries.clone(),
+            dropped_entries.clone(),
         );
         registry.register(
             "event_lag_seconds",
             "Time from a batch's timestamp to its application",
-            metrics.event_lag.clone(),
+            event_lag.clone(),
         );
         registry.register(
             "index_entries",
             "(block, endpoint) entries in the index",
-            metrics.index_entries.clone(),
+            index_entries.clone(),
         );
         registry.register(
             "index_bytes",
             "Bytes held by the index tables",
-            metrics.index_bytes.clone(),
+            index_bytes.clone(),
         );
         registry.register(
             "lookup_seconds",
             "Lookup handling time",
-            metrics.lookup_seconds.clone(),
+            lookup_seconds.clone(),
         );
         registry.register(
             "endpoint_alignment",
             "1 for the endpoint's key alignment mode",
-            metrics.alignment.clone(),
+            alignment.clone(),
         );
         registry.register(
             "endpoint_misconfigured",
             "1 while the endpoint's vLLM settings do not match the daemon's",
-            metrics.misconfigured.clone(),
+            misconfigured.clone(),
         );
         registry.register(
             "endpoint_incomplete",
             "1 while the endpoint's index is known to be incomplete",
-            metrics.incomplete.clone(),
+            incomplete.clone(),
         );
         Self {
             registry,
-            ..metrics
+            events_applied,
+            decode_errors,
+            gaps,
+            replays,
+            restarts,
+            orphans,
+            dropped_entries,
+            event_lag,
+            index_entries,
+            index_bytes,
+            lookup_seconds,
+            alignment,
+            misconfigured,
+            incomplete,
         }
     }
+}
 
+impl Metrics {
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();

@@ -1,41 +1,52 @@
 //! `kvaffined serve`: follow the configured replicas and answer lookups until SIGINT or
 //! SIGTERM.
 
-use std::collections::HashSet;
-use std::path::PathBuf;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
-use crate::config::{ConfigFile, EndpointSpec, ServeArgs};
+use crate::config::{EndpointSpec, ServeArgs};
+use crate::discovery::{ConfigFileSource, Discovery, KvEventSources};
 use crate::metrics::EndpointLabel;
 use crate::state::{Daemon, Endpoint, EndpointStatus};
 
-/// How often the config file is checked for changes.
-const CONFIG_POLL: Duration = Duration::from_secs(1);
+/// How often discovery sources are polled.
+const DISCOVERY_POLL: Duration = Duration::from_secs(1);
 
 /// Runs the daemon.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let settings = args.settings()?;
-    let file_endpoints = match &args.config {
-        Some(path) => read_config(path)?.endpoints,
-        None => Vec::new(),
-    };
-    let daemon = Arc::new(Daemon::new(settings));
     let client = reqwest::Client::builder()
         .no_proxy()
         .build()
-        .context("cannot build the metrics client")?;
+        .context("cannot build the HTTP client")?;
+    let mut sources: Vec<Box<dyn Discovery>> = Vec::new();
+    if let Some(path) = &args.config {
+        sources.push(Box::new(ConfigFileSource::new(
+            path.clone(),
+            client.clone(),
+        )?));
+    }
+    if !args.discover.is_empty() {
+        sources.push(Box::new(KvEventSources::new(
+            args.discover.clone(),
+            client.clone(),
+        )));
+    }
+    let daemon = Arc::new(Daemon::new(settings));
     let fleet = Fleet {
         daemon: daemon.clone(),
         client,
         flag_endpoints: args.endpoints.clone(),
+        sources,
+        last_good: Mutex::new(HashMap::new()),
     };
-    fleet.reconcile(&file_endpoints)?;
+    fleet.refresh(true).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -43,8 +54,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     info!(listen = %local, endpoints = daemon.endpoints.read().len(), "kvaffined serving");
     // One machine-readable line, so scripts and tests that bind port 0 learn the port.
     println!("listening on {local}");
-    if let Some(path) = args.config.clone() {
-        tokio::spawn(watch_config(fleet.clone(), path));
+    if !fleet.sources.is_empty() {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(DISCOVERY_POLL).await;
+                if let Err(err) = fleet.refresh(false).await {
+                    warn!("endpoints not updated, keeping the current ones: {err:#}");
+                }
+            }
+        });
     }
     let server = axum::serve(listener, crate::http::router(daemon.clone()))
         .with_graceful_shutdown(shutdown_signal());
@@ -56,35 +74,52 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn read_config(path: &PathBuf) -> anyhow::Result<ConfigFile> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    ConfigFile::parse(&text).with_context(|| format!("invalid {}", path.display()))
-}
-
-/// Adds and removes followed endpoints to match the configuration.
-#[derive(Clone)]
+/// Adds and removes followed endpoints to match flags and discovery.
 struct Fleet {
     daemon: Arc<Daemon>,
     client: reqwest::Client,
     flag_endpoints: Vec<EndpointSpec>,
+    sources: Vec<Box<dyn Discovery>>,
+    /// Each source's last successful answer, by source name.
+    last_good: Mutex<HashMap<String, Vec<EndpointSpec>>>,
 }
 
 impl Fleet {
-    fn reconcile(&self, file_endpoints: &[EndpointSpec]) -> anyhow::Result<()> {
-        let mut wanted: Vec<EndpointSpec> = Vec::new();
-        let mut names = HashSet::new();
-        for spec in self.flag_endpoints.iter().chain(file_endpoints) {
-            if !names.insert(spec.endpoint.clone()) {
-                if !wanted.contains(spec) {
-                    bail!(
-                        "endpoint {} is configured twice, differently",
-                        spec.endpoint
-                    );
+    /// Polls every source and reconciles. At start-up (`strict`) a failing source is an
+    /// error; later it keeps its last good answer.
+    async fn refresh(&self, strict: bool) -> anyhow::Result<()> {
+        for source in &self.sources {
+            match source.discover().await {
+                Ok(specs) => {
+                    self.last_good.lock().insert(source.name(), specs);
                 }
-                continue;
+                Err(err) if strict => return Err(err),
+                Err(err) => {
+                    warn!(source = %source.name(), "discovery failed, keeping its last answer: {err:#}")
+                }
             }
-            wanted.push(spec.clone());
+        }
+        let discovered: Vec<EndpointSpec> =
+            self.last_good.lock().values().flatten().cloned().collect();
+        self.reconcile(&discovered)
+    }
+
+    fn reconcile(&self, discovered: &[EndpointSpec]) -> anyhow::Result<()> {
+        let mut wanted: Vec<EndpointSpec> = Vec::new();
+        for spec in self.flag_endpoints.iter().chain(discovered) {
+            match wanted
+                .iter()
+                .find(|w| w.endpoint == spec.endpoint && w.rank == spec.rank)
+            {
+                Some(existing) if existing != spec => bail!(
+                    "{} is configured twice, differently ({} and {})",
+                    spec.stream_name(),
+                    existing.events,
+                    spec.events
+                ),
+                Some(_) => {}
+                None => wanted.push(spec.clone()),
+            }
         }
         let current: Vec<Arc<Endpoint>> = self.daemon.endpoints.read().clone();
         for endpoint in current.iter().filter(|e| !wanted.contains(&e.spec)) {
@@ -101,14 +136,14 @@ impl Fleet {
     fn add(&self, spec: EndpointSpec) -> anyhow::Result<()> {
         let slot = self.daemon.free_slot().with_context(|| {
             format!(
-                "cannot follow {}: one daemon follows at most {} endpoints (run one per pool)",
-                spec.endpoint,
+                "cannot follow {}: one daemon follows at most {} event streams (run one per pool)",
+                spec.stream_name(),
                 crate::index::MAX_SLOTS
             )
         })?;
         let endpoint = Arc::new(Endpoint {
             label: EndpointLabel {
-                endpoint: spec.endpoint.clone(),
+                endpoint: spec.stream_name(),
             },
             spec,
             slot,
@@ -121,16 +156,19 @@ impl Fleet {
         self.daemon.endpoints.write().push(endpoint.clone());
         crate::ingest::spawn(self.daemon.clone(), endpoint.clone())
             .context("cannot start an ingest thread")?;
-        tokio::spawn(crate::scrape::run(
-            self.daemon.clone(),
-            endpoint,
-            self.client.clone(),
-        ));
+        // A replica's ranks share one /metrics: its rank-0 stream scrapes it.
+        if endpoint.spec.rank == 0 {
+            tokio::spawn(crate::scrape::run(
+                self.daemon.clone(),
+                endpoint,
+                self.client.clone(),
+            ));
+        }
         Ok(())
     }
 
     fn remove(&self, endpoint: &Arc<Endpoint>) {
-        info!(endpoint = %endpoint.spec.endpoint, "no longer configured: purging its blocks");
+        info!(endpoint = %endpoint.label.endpoint, "no longer configured: purging its blocks");
         endpoint.stop.store(true, Ordering::Relaxed);
         self.daemon
             .endpoints
@@ -141,23 +179,6 @@ impl Fleet {
         let metrics = &self.daemon.metrics;
         metrics.incomplete.remove(&endpoint.label);
         metrics.misconfigured.remove(&endpoint.label);
-    }
-}
-
-async fn watch_config(fleet: Fleet, path: PathBuf) {
-    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen: Option<SystemTime> = modified(&path);
-    loop {
-        tokio::time::sleep(CONFIG_POLL).await;
-        let now = modified(&path);
-        if now == seen {
-            continue;
-        }
-        seen = now;
-        match read_config(&path).and_then(|file| fleet.reconcile(&file.endpoints)) {
-            Ok(()) => info!(path = %path.display(), "config reloaded"),
-            Err(err) => warn!("config not reloaded, keeping the current endpoints: {err:#}"),
-        }
     }
 }
 

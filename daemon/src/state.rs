@@ -153,6 +153,26 @@ pub struct LookupResponse {
     pub booked: Option<String>,
 }
 
+impl EndpointMatch {
+    /// Folds another data-parallel rank of the same replica into this answer: the best
+    /// rank's match counts, bookings add up, and anything wrong with one rank shows.
+    fn merge_rank(&mut self, other: EndpointMatch) {
+        self.matched_blocks = self.matched_blocks.max(other.matched_blocks);
+        self.indexed_blocks = self.indexed_blocks.max(other.indexed_blocks);
+        for (tier, n) in other.tiers {
+            let held = self.tiers.entry(tier).or_default();
+            *held = (*held).max(n);
+        }
+        self.pending_prefill_tokens += other.pending_prefill_tokens;
+        self.complete &= other.complete;
+        self.synced &= other.synced;
+        self.configured &= other.configured;
+        if self.alignment != other.alignment {
+            self.alignment = "mixed";
+        }
+    }
+}
+
 impl Daemon {
     /// Fresh state for `settings`.
     pub fn new(settings: Settings) -> Self {
@@ -162,7 +182,7 @@ impl Daemon {
             index: RwLock::new(index),
             bookings: Mutex::new(Bookings::default()),
             endpoints: RwLock::new(Vec::new()),
-            metrics: Metrics::new(),
+            metrics: Metrics::default(),
             zmq: zmq::Context::new(),
         }
     }
@@ -204,16 +224,16 @@ impl Daemon {
             (matched.unwrap_or(indexed), indexed, tiers)
         };
         let pending = bookings.pending_tokens();
-        let mut answers = Vec::with_capacity(endpoints.len());
-        let mut candidates = Vec::with_capacity(endpoints.len());
-        let mut rankable = Vec::with_capacity(endpoints.len());
-        let mut complete = true;
+        // One answer per replica: its data-parallel ranks' streams merge into it.
+        let mut answers: Vec<EndpointMatch> = Vec::with_capacity(endpoints.len());
+        let mut best_slot: Vec<Slot> = Vec::with_capacity(endpoints.len());
+        let mut models: Vec<Option<String>> = Vec::with_capacity(endpoints.len());
         for endpoint in &endpoints {
             let slot = endpoint.slot.index();
             let status = endpoint.status.lock();
-            let load = status.load.unwrap_or_default();
             let at = |a: &[u32; MAX_SLOTS]| a.get(slot).copied().unwrap_or(0);
-            let answer = EndpointMatch {
+            let load = status.load.unwrap_or_default();
+            let stream = EndpointMatch {
                 endpoint: endpoint.spec.endpoint.clone(),
                 matched_blocks: at(&matched),
                 indexed_blocks: at(&indexed),
@@ -232,13 +252,32 @@ impl Daemon {
                 reachable: status.scrape_error.is_none(),
                 alignment: status.alignment,
             };
-            complete &= answer.complete;
-            let serves_model = match (&request.model, &status.model) {
+            match answers.iter().position(|a| a.endpoint == stream.endpoint) {
+                None => {
+                    answers.push(stream);
+                    best_slot.push(endpoint.slot);
+                    models.push(status.model.clone());
+                }
+                Some(i) => {
+                    if let (Some(merged), Some(best)) = (answers.get_mut(i), best_slot.get_mut(i)) {
+                        if stream.matched_blocks > merged.matched_blocks {
+                            *best = endpoint.slot;
+                        }
+                        merged.merge_rank(stream);
+                    }
+                }
+            }
+        }
+        let complete = answers.iter().all(|a| a.complete);
+        let mut candidates = Vec::with_capacity(answers.len());
+        let mut rankable = Vec::with_capacity(answers.len());
+        for (i, (answer, model)) in answers.iter().zip(&models).enumerate() {
+            let serves_model = match (&request.model, model) {
                 (Some(wanted), Some(served)) => wanted == served,
                 _ => true,
             };
             if serves_model {
-                rankable.push(answers.len());
+                rankable.push(i);
                 candidates.push(Candidate {
                     matched_blocks: answer.matched_blocks as usize,
                     load: Load {
@@ -250,7 +289,6 @@ impl Daemon {
                     usable: answer.reachable,
                 });
             }
-            answers.push(answer);
         }
         let (order, reason) = self.settings.policy.rank(&candidates);
         let ranked: Vec<String> = order
@@ -261,15 +299,18 @@ impl Daemon {
             .collect();
         let mut booked = None;
         if let (Some(book), Some(&first)) = (&request.book, order.first()) {
-            if let Some(winner) = rankable.get(first).and_then(|&a| endpoints.get(a)) {
-                let held = candidates.get(first).map_or(0, |c| c.matched_blocks);
+            let winner = rankable
+                .get(first)
+                .and_then(|&a| Some((answers.get(a)?, *best_slot.get(a)?)));
+            if let (Some((answer, slot)), Some(candidate)) = (winner, candidates.get(first)) {
                 let block_size = self.settings.keys.block_size() as u64;
-                let uncached = (request.keys.len().saturating_sub(held)) as u64 * block_size;
+                let uncached =
+                    request.keys.len().saturating_sub(candidate.matched_blocks) as u64 * block_size;
                 let ttl = book
                     .ttl_ms
                     .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
-                bookings.book(winner.slot, &request.keys, uncached, now, ttl);
-                booked = Some(winner.spec.endpoint.clone());
+                bookings.book(slot, &request.keys, uncached, now, ttl);
+                booked = Some(answer.endpoint.clone());
             }
         }
         LookupResponse {

@@ -115,6 +115,37 @@ pub fn core() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Index lookups, HTTP lookups, ingest and memory -> `docs/benchmarks/daemon.md`.
+pub fn daemon() -> anyhow::Result<()> {
+    let output = Command::new(sh::cargo_bin())
+        .args(["bench", "-p", "kvaffined", "--bench", "daemon"])
+        .current_dir(sh::root())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("cannot run the daemon bench")?;
+    if !output.status.success() {
+        anyhow::bail!("the daemon bench failed: {}", output.status);
+    }
+    let table = String::from_utf8_lossy(&output.stdout);
+    let mut md = String::new();
+    writeln!(md, "# Daemon speed and size\n")?;
+    writeln!(
+        md,
+        "Command: `cargo xtask bench daemon` (release build; every operation timed, percentiles over all of them)."
+    )?;
+    writeln!(md, "Machine: {}.\n", machine())?;
+    writeln!(
+        md,
+        "Index: 1 M blocks as chains of 128 keys over 8 endpoints; lookups of 128 keys.\n"
+    )?;
+    md.push_str(table.trim());
+    md.push_str("\n\n");
+    md.push_str(include_str!("bench_daemon_notes.md"));
+    write(&sh::root().join("docs/benchmarks/daemon.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;

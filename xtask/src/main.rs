@@ -12,7 +12,8 @@ const USAGE: &str = "usage: cargo xtask <command>
 commands:
   demo          show what kvaffine computes, end to end as far as it is built
   test          every check CI runs: fmt, clippy (native and wasm32), all tests
-  bench core    key and event-decode throughput -> docs/benchmarks/core.md";
+  bench core    key and event-decode throughput -> docs/benchmarks/core.md
+  bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -21,6 +22,7 @@ fn main() -> anyhow::Result<()> {
         ["demo"] => demo::run(),
         ["test"] => test(),
         ["bench", "core"] => bench::core(),
+        ["bench", "daemon"] => bench::daemon(),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())

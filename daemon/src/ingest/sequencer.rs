@@ -14,7 +14,12 @@ pub const MAX_HELD: usize = 10_000;
 #[derive(Debug, PartialEq, Eq)]
 pub enum Action {
     /// Decode and apply this payload.
-    Apply { seq: u64, payload: Vec<u8> },
+    Apply {
+        /// The batch's sequence number.
+        seq: u64,
+        /// The msgpack batch.
+        payload: Vec<u8>,
+    },
     /// Send a replay request from this seq.
     RequestReplay(u64),
     /// The replica restarted: forget everything it held.

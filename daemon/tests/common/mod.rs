@@ -102,7 +102,12 @@ impl DaemonProcess {
             .args(args)
             .env("RUST_LOG", "kvaffined=debug,info")
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            // KVAFFINE_TEST_LOGS=1 shows the daemon's logs while debugging a test.
+            .stderr(if std::env::var_os("KVAFFINE_TEST_LOGS").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
             .spawn()
             .unwrap();
         let mut line = String::new();

@@ -1,0 +1,347 @@
+//! The daemon's speed and size: in-process lookups over 1 M indexed blocks on 8
+//! endpoints, HTTP lookups over loopback at 1k req/s, ingest (decode + apply) rate, and
+//! index bytes per (block, endpoint) entry at 10 M entries. Run with
+//! `cargo xtask bench daemon`, which writes `docs/benchmarks/daemon.md`.
+//!
+//! Percentiles come from timing every operation (criterion reports means and medians,
+//! not p99), so this is a plain binary.
+#![allow(unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kvaffine_core::events::{
+    BlockStored, EngineHash, EventBatch, EventFormat, KvEvent, decode_batch, encode_batch,
+};
+use kvaffine_core::{HashAlgo, KeyConfig, KeyExtras, VllmCompat};
+use kvaffined::config::Settings;
+use kvaffined::index::{GPU, PrefixIndex, Slot};
+use kvaffined::ingest::Applier;
+use kvaffined::metrics::EndpointLabel;
+use kvaffined::state::{Daemon, Endpoint, EndpointStatus, LookupRequest, ScrapedLoad};
+use parking_lot::Mutex;
+
+/// Counts live heap bytes, so index memory is measured, not estimated.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: defers every call to the system allocator unchanged; only counts sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+const ENDPOINTS: usize = 8;
+const KEYS_PER_LOOKUP: usize = 128;
+const BLOCK_SIZE: usize = 64;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// 1 M blocks: chains of 128 keys, each chain on one endpoint.
+fn fill(index: &mut PrefixIndex, rng: &mut Rng, blocks: usize) -> Vec<Vec<u64>> {
+    let mut chains = Vec::new();
+    for c in 0..blocks / KEYS_PER_LOOKUP {
+        let chain: Vec<u64> = (0..KEYS_PER_LOOKUP).map(|_| rng.next()).collect();
+        index.store(Slot::new(c % ENDPOINTS).unwrap(), GPU, &chain);
+        chains.push(chain);
+    }
+    chains
+}
+
+fn settings() -> Settings {
+    Settings {
+        keys: KeyConfig::new(HashAlgo::Sha256Cbor, BLOCK_SIZE, None, VllmCompat::V0_31).unwrap(),
+        policy: Default::default(),
+        topic: String::new(),
+        lora_paths: Default::default(),
+        max_keys: 16_384,
+        max_entries: 100_000_000,
+        booking_ttl: Duration::from_secs(2),
+        scrape_interval: Duration::from_millis(500),
+        replay_timeout: Duration::from_secs(5),
+    }
+}
+
+fn daemon_with_index(rng: &mut Rng) -> (Arc<Daemon>, Vec<Vec<u64>>) {
+    let daemon = Arc::new(Daemon::new(settings()));
+    let chains = fill(&mut daemon.index.write(), rng, 1_000_000);
+    for n in 0..ENDPOINTS {
+        let name = format!("10.0.0.{n}:8000");
+        daemon.endpoints.write().push(Arc::new(Endpoint {
+            spec: kvaffined::config::EndpointSpec {
+                endpoint: name.clone(),
+                events: format!("tcp://10.0.0.{n}:5557"),
+                replay: None,
+                rank: 0,
+            },
+            slot: Slot::new(n).unwrap(),
+            label: EndpointLabel { endpoint: name },
+            status: Mutex::new(EndpointStatus {
+                synced: true,
+                alignment: "aligned",
+                load: Some(ScrapedLoad {
+                    running: n as u32,
+                    waiting: 0,
+                    kv_cache_usage: 0.5,
+                }),
+                ..EndpointStatus::default()
+            }),
+            stop: AtomicBool::new(true),
+        }));
+    }
+    (daemon, chains)
+}
+
+fn lookups(out: &mut String) {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let (daemon, chains) = daemon_with_index(&mut rng);
+    let index = daemon.index.read();
+    let mut row = |name: &str, make: &mut dyn FnMut(usize) -> Vec<u64>| {
+        let queries: Vec<Vec<u64>> = (0..50_000).map(&mut *make).collect();
+        let mut times: Vec<Duration> = Vec::with_capacity(queries.len());
+        let mut sink = 0u32;
+        for q in &queries {
+            let start = Instant::now();
+            sink ^= index.longest_prefixes(GPU, q)[0];
+            times.push(start.elapsed());
+        }
+        std::hint::black_box(sink);
+        times.sort();
+        out.push_str(&format!(
+            "| index walk, {name} | {:.2} us | {:.2} us |\n",
+            us(percentile(&times, 0.5)),
+            us(percentile(&times, 0.99))
+        ));
+    };
+    row("full hit", &mut |i| chains[i % chains.len()].clone());
+    row("half hit", &mut |i| {
+        let mut q = chains[i % chains.len()][..64].to_vec();
+        q.extend((0..64).map(|k| k as u64 ^ 0xabc));
+        q
+    });
+    row("miss", &mut |i| {
+        (0..KEYS_PER_LOOKUP as u64)
+            .map(|k| k * 31 + i as u64)
+            .collect()
+    });
+    drop(index);
+    let mut times = Vec::new();
+    for i in 0..50_000 {
+        let request = LookupRequest {
+            keys: chains[i % chains.len()].clone(),
+            model: None,
+            book: None,
+        };
+        let start = Instant::now();
+        std::hint::black_box(daemon.lookup(&request, Instant::now()));
+        times.push(start.elapsed());
+    }
+    times.sort();
+    out.push_str(&format!(
+        "| whole lookup answer (8 endpoints, ranking, no HTTP) | {:.2} us | {:.2} us |\n",
+        us(percentile(&times, 0.5)),
+        us(percentile(&times, 0.99))
+    ));
+}
+
+fn http(out: &mut String) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let (daemon, chains) = daemon_with_index(&mut rng);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (p50, p99, sent) = runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            axum::serve(listener, kvaffined::http::router(daemon))
+                .await
+                .unwrap();
+        });
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let url = format!("http://{addr}/v1/lookup");
+        let bodies: Vec<String> = chains
+            .iter()
+            .take(1000)
+            .map(|c| serde_json::json!({ "keys": c }).to_string())
+            .collect();
+        // Warm the connection pool.
+        for body in bodies.iter().take(50) {
+            client.post(&url).body(body.clone()).send().await.unwrap();
+        }
+        // Open loop: one request every millisecond for 10 s, whatever the answers do.
+        let mut ticker = tokio::time::interval(Duration::from_millis(1));
+        let mut tasks = Vec::new();
+        for i in 0..10_000 {
+            ticker.tick().await;
+            let (client, url, body) = (
+                client.clone(),
+                url.clone(),
+                bodies[i % bodies.len()].clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                let start = Instant::now();
+                let response = client.post(&url).body(body).send().await.unwrap();
+                assert!(response.status().is_success());
+                response.bytes().await.unwrap();
+                start.elapsed()
+            }));
+        }
+        let mut times = Vec::new();
+        for task in tasks {
+            times.push(task.await.unwrap());
+        }
+        times.sort();
+        (
+            percentile(&times, 0.5),
+            percentile(&times, 0.99),
+            times.len(),
+        )
+    });
+    out.push_str(&format!(
+        "| HTTP lookup, 128 keys, 1k req/s open loop, loopback ({sent} requests) | {:.0} us | {:.0} us |\n",
+        us(p50),
+        us(p99)
+    ));
+}
+
+fn ingest(out: &mut String) {
+    let keys = KeyConfig::new(HashAlgo::Sha256Cbor, BLOCK_SIZE, None, VllmCompat::V0_31).unwrap();
+    let mut rng = Rng(77);
+    // 4,000 batches of 8 prompts x 8 new 64-token blocks, as a replica publishes them.
+    let payloads: Vec<Vec<u8>> = (0..4000)
+        .map(|b| {
+            let events = (0..8)
+                .map(|_| {
+                    let tokens: Vec<u32> = (0..8 * BLOCK_SIZE)
+                        .map(|_| (rng.next() % 151_936) as u32)
+                        .collect();
+                    let digests = keys.digests(&KeyExtras::default(), &tokens);
+                    KvEvent::BlockStored(BlockStored {
+                        block_hashes: digests
+                            .iter()
+                            .map(|d| EngineHash::Int(d.block_key().0))
+                            .collect(),
+                        parent_block_hash: None,
+                        token_ids: tokens,
+                        block_size: BLOCK_SIZE as u64,
+                        medium: Some("GPU".into()),
+                        extra_keys: Some(vec![None; 8]),
+                        group_idx: Some(0),
+                        kv_cache_spec_kind: Some("full_attention".into()),
+                        ..BlockStored::default()
+                    })
+                })
+                .collect();
+            encode_batch(
+                &EventBatch {
+                    ts: b as f64,
+                    events,
+                    data_parallel_rank: Some(0),
+                    skipped_unknown: 0,
+                },
+                EventFormat::Map,
+            )
+        })
+        .collect();
+    let blocks = 4000 * 8 * 8;
+    let mut rates = Vec::new();
+    for _ in 0..5 {
+        let mut index = PrefixIndex::new(usize::MAX);
+        let mut applier = Applier::new(Slot::new(0).unwrap(), keys.clone(), Default::default());
+        let start = Instant::now();
+        for payload in &payloads {
+            let batch = decode_batch(payload).unwrap();
+            applier.apply(&batch, &mut index);
+        }
+        rates.push(blocks as f64 / start.elapsed().as_secs_f64());
+        assert_eq!(index.entries(), blocks);
+    }
+    rates.sort_by(f64::total_cmp);
+    out.push_str(&format!(
+        "\n| ingest: decode + apply on one thread ({blocks} 64-token block entries, aligned endpoint, median of 5) | {:.2} M block entries/s |\n|---|---|\n",
+        rates[2] / 1e6
+    ));
+}
+
+fn memory(out: &mut String) {
+    out.push_str("\n| index memory at 10 M (block, endpoint) entries | heap bytes / entry | table estimate / entry |\n|---|---|---|\n");
+    for (name, copies) in [
+        ("every block on 1 endpoint", 1usize),
+        ("every block on 2 of 8 endpoints", 2),
+    ] {
+        let mut rng = Rng(5);
+        let before = LIVE.load(Ordering::Relaxed);
+        let mut index = PrefixIndex::new(usize::MAX);
+        let entries = 10_000_000;
+        let mut chunk = Vec::with_capacity(1024);
+        let mut slot = 0;
+        while index.entries() < entries {
+            chunk.clear();
+            chunk.extend((0..1024).map(|_| rng.next()));
+            for c in 0..copies {
+                index.store(Slot::new((slot + c) % ENDPOINTS).unwrap(), GPU, &chunk);
+            }
+            slot += 1;
+        }
+        let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
+        out.push_str(&format!(
+            "| {name} | {:.1} | {:.1} |\n",
+            bytes / index.entries() as f64,
+            index.table_bytes() as f64 / index.entries() as f64
+        ));
+        drop(index);
+    }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; nothing else to parse.
+    let mut out = String::from("| what | p50 | p99 |\n|---|---|---|\n");
+    lookups(&mut out);
+    http(&mut out);
+    ingest(&mut out);
+    memory(&mut out);
+    println!("{out}");
+}

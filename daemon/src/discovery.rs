@@ -1,0 +1,258 @@
+//! Where the endpoints to follow come from. Every source implements [`Discovery`]; the
+//! serve loop unions them and reconciles. A source that fails keeps its last good answer,
+//! so a transient error never purges a replica.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::SystemTime;
+
+use anyhow::Context;
+use kvaffine_core::events::offset_endpoint_for_rank;
+use serde::Deserialize;
+
+use crate::config::{ConfigFile, EndpointSpec};
+
+/// A boxed future, so sources can be held as trait objects.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A source of endpoints to follow.
+pub trait Discovery: Send + Sync {
+    /// A short name for logs.
+    fn name(&self) -> String;
+    /// The endpoints this source wants followed now.
+    fn discover(&self) -> BoxFuture<'_, anyhow::Result<Vec<EndpointSpec>>>;
+}
+
+/// The `--config` file, whose `endpoints` are followed and whose `discover` replicas are
+/// asked for their event sources.
+pub struct ConfigFileSource {
+    path: PathBuf,
+    client: reqwest::Client,
+    last: parking_lot::Mutex<Option<(Option<SystemTime>, ConfigFile)>>,
+}
+
+impl ConfigFileSource {
+    /// Reads `path` now, failing if it is absent or invalid: a bad file at start-up is an
+    /// error, a bad edit later keeps the previous endpoints.
+    pub fn new(path: PathBuf, client: reqwest::Client) -> anyhow::Result<Self> {
+        let source = Self {
+            path,
+            client,
+            last: parking_lot::Mutex::new(None),
+        };
+        source.read()?;
+        Ok(source)
+    }
+
+    fn read(&self) -> anyhow::Result<ConfigFile> {
+        let text = std::fs::read_to_string(&self.path)
+            .with_context(|| format!("cannot read {}", self.path.display()))?;
+        ConfigFile::parse(&text).with_context(|| format!("invalid {}", self.path.display()))
+    }
+
+    fn current(&self) -> anyhow::Result<(Vec<EndpointSpec>, Vec<String>)> {
+        let modified = std::fs::metadata(&self.path)
+            .and_then(|m| m.modified())
+            .ok();
+        let mut last = self.last.lock();
+        let stale = last.as_ref().is_none_or(|(seen, _)| *seen != modified);
+        if stale {
+            let file = self.read()?;
+            tracing::info!(path = %self.path.display(), endpoints = file.endpoints.len(), "config read");
+            *last = Some((modified, file));
+        }
+        Ok(last
+            .as_ref()
+            .map(|(_, f)| (f.endpoints.clone(), f.discover.clone()))
+            .unwrap_or_default())
+    }
+}
+
+impl Discovery for ConfigFileSource {
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn discover(&self) -> BoxFuture<'_, anyhow::Result<Vec<EndpointSpec>>> {
+        Box::pin(async move {
+            let (mut endpoints, replicas) = self.current()?;
+            for replica in replicas {
+                endpoints.extend(event_sources(&self.client, &replica).await?);
+            }
+            Ok(endpoints)
+        })
+    }
+}
+
+/// Replicas named by `--discover`, asked for their `/kv_event_sources`.
+pub struct KvEventSources {
+    replicas: Vec<String>,
+    client: reqwest::Client,
+}
+
+impl KvEventSources {
+    /// Asks each of `replicas` (`HOST:PORT`).
+    pub fn new(replicas: Vec<String>, client: reqwest::Client) -> Self {
+        Self { replicas, client }
+    }
+}
+
+impl Discovery for KvEventSources {
+    fn name(&self) -> String {
+        format!("/kv_event_sources of {}", self.replicas.join(", "))
+    }
+
+    fn discover(&self) -> BoxFuture<'_, anyhow::Result<Vec<EndpointSpec>>> {
+        Box::pin(async move {
+            let mut endpoints = Vec::new();
+            for replica in &self.replicas {
+                endpoints.extend(event_sources(&self.client, replica).await?);
+            }
+            Ok(endpoints)
+        })
+    }
+}
+
+/// The part of vLLM's `KVEventsConfig` that discovery reads.
+#[derive(Debug, Deserialize)]
+pub struct EventSource {
+    /// PUB endpoint (possibly a wildcard bind address).
+    pub endpoint: String,
+    /// Replay endpoint, if any.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// Whether events are on at all.
+    #[serde(default = "enabled")]
+    pub enable_kv_cache_events: bool,
+    /// `zmq` or `null`.
+    #[serde(default)]
+    pub publisher: Option<String>,
+}
+
+fn enabled() -> bool {
+    true
+}
+
+async fn event_sources(
+    client: &reqwest::Client,
+    replica: &str,
+) -> anyhow::Result<Vec<EndpointSpec>> {
+    let url = format!("http://{replica}/kv_event_sources");
+    let sources: BTreeMap<String, EventSource> = client
+        .get(&url)
+        .timeout(std::time::Duration::from_secs(2))
+        .send()
+        .await
+        .with_context(|| format!("GET {url}"))?
+        .error_for_status()?
+        .json()
+        .await
+        .with_context(|| format!("{url} is not a map of KVEventsConfig by rank"))?;
+    resolve_sources(replica, &sources)
+}
+
+/// Turns a replica's `{dp_rank: KVEventsConfig}` into followable endpoints: wildcard bind
+/// hosts become the replica's host, and when every rank reports the same (unshifted)
+/// endpoint, each rank's port is shifted the way vLLM shifts it.
+pub fn resolve_sources(
+    replica: &str,
+    sources: &BTreeMap<String, EventSource>,
+) -> anyhow::Result<Vec<EndpointSpec>> {
+    let host = replica
+        .rsplit_once(':')
+        .map(|(h, _)| h)
+        .context("replica must be HOST:PORT")?;
+    let unshifted = sources.len() > 1
+        && sources.values().all(|s| {
+            sources
+                .values()
+                .next()
+                .is_some_and(|f| f.endpoint == s.endpoint)
+        });
+    let localize = |url: &str| {
+        url.replace("://*:", &format!("://{host}:"))
+            .replace("://[::]:", &format!("://{host}:"))
+    };
+    let mut out = Vec::new();
+    for (rank, source) in sources {
+        if !source.enable_kv_cache_events || source.publisher.as_deref() == Some("null") {
+            continue;
+        }
+        let rank: u32 = rank
+            .parse()
+            .with_context(|| format!("{replica}: rank {rank:?} is not a number"))?;
+        let shift = |url: &str| -> anyhow::Result<String> {
+            Ok(if unshifted {
+                offset_endpoint_for_rank(url, rank)?
+            } else {
+                url.to_owned()
+            })
+        };
+        out.push(EndpointSpec {
+            endpoint: replica.to_owned(),
+            events: localize(&shift(&source.endpoint)?),
+            replay: source
+                .replay_endpoint
+                .as_deref()
+                .map(|r| shift(r).map(|r| localize(&r)))
+                .transpose()?,
+            rank,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> BTreeMap<String, EventSource> {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn wildcard_hosts_become_the_replica_host() {
+        let sources = parse(
+            r#"{"0": {"enable_kv_cache_events": true, "publisher": "zmq",
+                      "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}}"#,
+        );
+        let specs = resolve_sources("10.1.2.3:8000", &sources).unwrap();
+        assert_eq!(specs.len(), 1);
+        assert_eq!(specs[0].events, "tcp://10.1.2.3:5557");
+        assert_eq!(specs[0].replay.as_deref(), Some("tcp://10.1.2.3:5558"));
+    }
+
+    #[test]
+    fn ranks_get_their_own_ports() {
+        let shifted = parse(
+            r#"{"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6557"},
+                "1": {"endpoint": "tcp://*:5558", "replay_endpoint": "tcp://*:6558"}}"#,
+        );
+        let unshifted = parse(
+            r#"{"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6557"},
+                "1": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6557"}}"#,
+        );
+        for sources in [shifted, unshifted] {
+            let specs = resolve_sources("h:80", &sources).unwrap();
+            let urls: Vec<(u32, &str, Option<&str>)> = specs
+                .iter()
+                .map(|s| (s.rank, s.events.as_str(), s.replay.as_deref()))
+                .collect();
+            assert_eq!(
+                urls,
+                vec![
+                    (0, "tcp://h:5557", Some("tcp://h:6557")),
+                    (1, "tcp://h:5558", Some("tcp://h:6558"))
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn disabled_publishers_are_skipped() {
+        let sources = parse(r#"{"0": {"endpoint": "tcp://*:5557", "publisher": "null"}}"#);
+        assert!(resolve_sources("h:80", &sources).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,17 @@
+//! kvaffined: follows every vLLM replica's KV events and answers which replicas hold the
+//! longest prefix of a request's block keys, and how loaded they are.
+//!
+//! The binary (`src/main.rs`) is a thin command line over these modules; they are a
+//! library so benchmarks and tests can drive the index and API in-process.
+
+pub mod bookings;
+pub mod config;
+pub mod discovery;
+pub mod http;
+pub mod index;
+pub mod ingest;
+pub mod keys_cmd;
+pub mod metrics;
+pub mod scrape;
+pub mod serve;
+pub mod state;

@@ -5,6 +5,7 @@
 //! * [`events`]: vLLM's KV-event batches (decode, encode) and their ZMQ framing.
 //! * [`salt`]: `cache_salt` validation, as vLLM validates it.
 //! * [`pick`]: the ranking policy, "sticky until saturated".
+//! * [`request`]: OpenAI request bodies as vLLM's chat template receives them.
 //!
 //! The crate builds unchanged for `wasm32-wasip1` (the Envoy filter) and natively (the
 //! daemon, the emulator, tests).
@@ -24,6 +25,7 @@ mod cbor;
 pub mod events;
 pub mod keys;
 pub mod pick;
+pub mod request;
 pub mod salt;
 
 pub use keys::{

@@ -328,3 +328,102 @@ fn it_binds_loopback_unless_told_otherwise() {
         .unwrap();
     assert!(String::from_utf8_lossy(&help.stdout).contains("[default: 127.0.0.1:9100]"));
 }
+
+#[test]
+fn follows_emulated_replicas_found_through_kv_event_sources() {
+    let (a, b) = (
+        EmuProcess::start(&["--block-size", "16"]),
+        EmuProcess::start(&["--block-size", "16"]),
+    );
+    let daemon = DaemonProcess::start(&["--discover", &a.http, "--discover", &b.http]);
+    daemon.wait_ready();
+    let messages = json!([{"role": "user", "content": "route me ".repeat(80)}]);
+    let (_, tokenized) = a.post("/tokenize", &json!({"messages": messages}));
+    let tokens: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).unwrap();
+    let k = keys(&tokens);
+    assert!(k.len() >= 8);
+    let (status, _) = a.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    wait_for("the replica's blocks", || {
+        daemon.matched(&k, &a.http) == k.len() as u64
+    });
+    assert_eq!(daemon.matched(&k, &b.http), 0);
+    wait_for("a scrape", || {
+        daemon.endpoint_status(&a.http)["load"].is_object()
+    });
+    let answer = daemon.lookup(&k);
+    assert_eq!(answer["ranked"][0], a.http.as_str());
+    assert_eq!(answer["reason"], "prefix");
+}
+
+#[test]
+fn a_replica_with_another_block_size_or_hash_algo_is_flagged_from_its_metrics() {
+    let wrong_size = EmuProcess::start(&["--block-size", "32"]);
+    let opaque = EmuProcess::start(&["--block-size", "16", "--engine-hash", "opaque"]);
+    let daemon = DaemonProcess::start(&[
+        "--endpoint",
+        &wrong_size.endpoint_flag(),
+        "--endpoint",
+        &opaque.endpoint_flag(),
+    ]);
+    daemon.wait_ready();
+    wait_for("block size flagged", || {
+        daemon.endpoint_status(&wrong_size.http)["misconfigured"]
+            .as_str()
+            .is_some_and(|m| m.contains("block_size 32"))
+    });
+    wait_for("hash algorithm flagged", || {
+        daemon.endpoint_status(&opaque.http)["misconfigured"]
+            .as_str()
+            .is_some_and(|m| m.contains("prefix_caching_hash_algo sha256"))
+    });
+    // The opaque replica still routes: its events are re-keyed.
+    let messages = json!([{"role": "user", "content": "opaque ".repeat(100)}]);
+    let (_, tokenized) = opaque.post("/tokenize", &json!({"messages": messages}));
+    let tokens: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).unwrap();
+    opaque.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2}),
+    );
+    wait_for("re-keyed blocks", || {
+        daemon.matched(&keys(&tokens), &opaque.http) == keys(&tokens).len() as u64
+    });
+    assert_eq!(daemon.endpoint_status(&opaque.http)["alignment"], "rekeyed");
+}
+
+#[test]
+fn a_killed_and_restarted_emulated_replica_is_purged() {
+    let mut emu = EmuProcess::start(&["--block-size", "16"]);
+    let daemon = DaemonProcess::start(&["--endpoint", &emu.endpoint_flag()]);
+    daemon.wait_ready();
+    let old = json!([{"role": "user", "content": "before the crash ".repeat(40)}]);
+    let (_, tokenized) = emu.post("/tokenize", &json!({"messages": old}));
+    let old_keys = keys(&serde_json::from_value::<Vec<u32>>(tokenized["tokens"].clone()).unwrap());
+    for _ in 0..3 {
+        emu.post(
+            "/v1/chat/completions",
+            &json!({"messages": old, "max_tokens": 2}),
+        );
+    }
+    wait_for("old blocks", || daemon.matched(&old_keys, &emu.http) > 0);
+    emu.restart();
+    let fresh = json!([{"role": "user", "content": "after the restart ".repeat(40)}]);
+    let (_, tokenized) = emu.post("/tokenize", &json!({"messages": fresh}));
+    let fresh_keys =
+        keys(&serde_json::from_value::<Vec<u32>>(tokenized["tokens"].clone()).unwrap());
+    wait_for("the restarted replica's blocks", || {
+        emu.post(
+            "/v1/chat/completions",
+            &json!({"messages": fresh, "max_tokens": 2}),
+        );
+        daemon.matched(&fresh_keys, &emu.http) > 0
+    });
+    assert_eq!(
+        daemon.matched(&old_keys, &emu.http),
+        0,
+        "the crashed process's blocks are gone"
+    );
+}

@@ -57,6 +57,8 @@ fn test() -> anyhow::Result<()> {
         "-D",
         "warnings",
     ])?;
+    // End-to-end suites start the workspace's binaries as real processes.
+    sh::cargo(&["build", "--workspace", "--bins"])?;
     let (passed, failed) = sh::cargo_test(&["test", "--workspace"])?;
     // The plain closing line CI reads, summed over every test binary above.
     println!("xtask test: {passed} passed, {failed} failed");

@@ -1,0 +1,209 @@
+//! Test support shared by every suite that runs real processes: locating the workspace's
+//! binaries, starting `vllm-emu` replicas on free ports, a minimal HTTP client, and polling
+//! with a deadline instead of fixed sleeps.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A workspace binary, next to the running test executable (`target/<profile>/<name>`).
+/// `cargo test --workspace` builds every package's binaries; `cargo xtask test` does too.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let path = profile_dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --workspace --bins` (cargo xtask test does)",
+        path.display()
+    );
+    path
+}
+
+/// Polls `condition` until it holds; panics after 20 s naming `what`.
+pub fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One HTTP/1.1 exchange with `Connection: close`: status and body.
+pub fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let Ok(mut stream) = TcpStream::connect(addr) else {
+        return (0, String::new());
+    };
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if stream.write_all(request.as_bytes()).is_err() {
+        return (0, String::new());
+    }
+    let mut response = String::new();
+    if stream.read_to_string(&mut response).is_err() {
+        return (0, String::new());
+    }
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    (status, body)
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest.get(size + 2..).unwrap_or("");
+    }
+    out
+}
+
+/// A running `vllm-emu`, killed on drop.
+pub struct EmuProcess {
+    child: Option<Child>,
+    args: Vec<String>,
+    /// `HOST:PORT` of its HTTP server.
+    pub http: String,
+    /// Its PUB endpoint, with the bound port.
+    pub events: String,
+    /// Its replay endpoint, with the bound port.
+    pub replay: Option<String>,
+}
+
+impl EmuProcess {
+    /// Starts a replica on free ports (HTTP, events and replay) with `extra` flags.
+    /// Defaults: instant (`--time-scale 0`), model `emu-model`; `extra` overrides them.
+    pub fn start(extra: &[&str]) -> Self {
+        let defaults = [
+            ("--port", "0"),
+            ("--model", "emu-model"),
+            ("--kv-events-endpoint", "tcp://127.0.0.1:0"),
+            ("--kv-events-replay-endpoint", "tcp://127.0.0.1:0"),
+            ("--time-scale", "0"),
+        ];
+        let mut args: Vec<String> = Vec::new();
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                args.extend([flag.to_owned(), value.to_owned()]);
+            }
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut emu = Self {
+            child: None,
+            args,
+            http: String::new(),
+            events: String::new(),
+            replay: None,
+        };
+        emu.spawn();
+        emu
+    }
+
+    fn spawn(&mut self) {
+        let mut child = Command::new(binary("vllm-emu"))
+            .args(&self.args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start vllm-emu: {e}"));
+        let mut line = String::new();
+        if let Some(stdout) = child.stdout.take() {
+            let _ = BufReader::new(stdout).read_line(&mut line);
+        }
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        match fields.as_slice() {
+            ["vllm-emu", "listening", "on", http, events, replay] => {
+                self.http = (*http).to_owned();
+                self.events = events.trim_start_matches("events=").to_owned();
+                self.replay = Some(replay.trim_start_matches("replay="))
+                    .filter(|r| *r != "-")
+                    .map(str::to_owned);
+            }
+            _ => panic!("vllm-emu did not start: {line:?}"),
+        }
+        self.child = Some(child);
+    }
+
+    /// Kills the process, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills it and starts a new process on the same ports: seq from 0, empty cache.
+    pub fn restart(&mut self) {
+        self.kill();
+        let pin = |args: &mut Vec<String>, flag: &str, value: &str| {
+            if let Some(i) = args.iter().position(|a| a == flag) {
+                if let Some(slot) = args.get_mut(i + 1) {
+                    *slot = value.to_owned();
+                }
+            }
+        };
+        let port = self
+            .http
+            .rsplit_once(':')
+            .map(|(_, p)| p.to_owned())
+            .unwrap_or_default();
+        let (events, replay) = (self.events.clone(), self.replay.clone());
+        pin(&mut self.args, "--port", &port);
+        pin(&mut self.args, "--kv-events-endpoint", &events);
+        if let Some(replay) = replay {
+            pin(&mut self.args, "--kv-events-replay-endpoint", &replay);
+        }
+        self.spawn();
+    }
+
+    /// `--endpoint` value for `kvaffined serve`.
+    pub fn endpoint_flag(&self) -> String {
+        match &self.replay {
+            Some(replay) => format!("{}={},{replay}", self.http, self.events),
+            None => format!("{}={}", self.http, self.events),
+        }
+    }
+
+    /// POSTs JSON, returning the status and parsed body.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let (status, text) = http(&self.http, "POST", path, &body.to_string());
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        )
+    }
+
+    /// GETs a path, returning status and text.
+    pub fn get(&self, path: &str) -> (u16, String) {
+        http(&self.http, "GET", path, "")
+    }
+}
+
+impl Drop for EmuProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -6,6 +6,7 @@
 //! * [`salt`]: `cache_salt` validation, as vLLM validates it.
 //! * [`pick`]: the ranking policy, "sticky until saturated".
 //! * [`request`]: OpenAI request bodies as vLLM's chat template receives them.
+//! * [`route`]: a buffered request to the index question, the answer to a pick.
 //!
 //! The crate builds unchanged for `wasm32-wasip1` (the Envoy filter) and natively (the
 //! daemon, the emulator, tests).
@@ -26,6 +27,7 @@ pub mod events;
 pub mod keys;
 pub mod pick;
 pub mod request;
+pub mod route;
 pub mod salt;
 
 pub use keys::{

@@ -171,6 +171,7 @@ fn lookups(out: &mut String) {
             keys: chains[i % chains.len()].clone(),
             model: None,
             book: None,
+            approximate: false,
         };
         let start = Instant::now();
         std::hint::black_box(daemon.lookup(&request, Instant::now()));

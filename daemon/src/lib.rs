@@ -7,6 +7,7 @@
 pub mod bookings;
 pub mod config;
 pub mod discovery;
+pub mod history;
 pub mod http;
 pub mod index;
 pub mod ingest;

@@ -176,6 +176,7 @@ impl Fleet {
             .retain(|e| !Arc::ptr_eq(e, endpoint));
         self.daemon.index.write().purge(endpoint.slot);
         self.daemon.bookings.lock().forget_slot(endpoint.slot);
+        self.daemon.history.lock().forget_slot(endpoint.slot);
         let metrics = &self.daemon.metrics;
         metrics.incomplete.remove(&endpoint.label);
         metrics.misconfigured.remove(&endpoint.label);

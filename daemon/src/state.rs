@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bookings::Bookings;
 use crate::config::{EndpointSpec, Settings};
+use crate::history::History;
 use crate::index::{GPU, MAX_SLOTS, PrefixIndex, Slot};
 use crate::metrics::{EndpointLabel, Metrics};
 
@@ -22,6 +23,8 @@ pub struct Daemon {
     pub index: RwLock<PrefixIndex>,
     /// Live bookings.
     pub bookings: Mutex<Bookings>,
+    /// Where approximate (text-derived) keys were routed.
+    pub history: Mutex<History>,
     /// Followed endpoints, in the order they were added.
     pub endpoints: RwLock<Vec<Arc<Endpoint>>>,
     /// Exported metrics.
@@ -94,6 +97,10 @@ pub struct LookupRequest {
     /// Book the first-ranked endpoint for these keys.
     #[serde(default)]
     pub book: Option<BookRequest>,
+    /// The keys are text-derived (the filter's approximate mode): match them against
+    /// where earlier requests were routed, not against KV events.
+    #[serde(default)]
+    pub approximate: bool,
 }
 
 /// The booking part of a lookup.
@@ -177,10 +184,12 @@ impl Daemon {
     /// Fresh state for `settings`.
     pub fn new(settings: Settings) -> Self {
         let index = PrefixIndex::new(settings.max_entries);
+        let history = History::new(settings.max_entries.min(10_000_000));
         Self {
             settings,
             index: RwLock::new(index),
             bookings: Mutex::new(Bookings::default()),
+            history: Mutex::new(history),
             endpoints: RwLock::new(Vec::new()),
             metrics: Metrics::default(),
             zmq: zmq::Context::new(),
@@ -208,7 +217,10 @@ impl Daemon {
         let endpoints = self.endpoints.read().clone();
         let mut bookings = self.bookings.lock();
         bookings.expire(now);
-        let (matched, indexed, other_tiers) = {
+        let (matched, indexed, other_tiers) = if request.approximate {
+            let routed = self.history.lock().longest_prefixes(&request.keys);
+            (routed, routed, Vec::new())
+        } else {
             let index = self.index.read();
             let matched = if bookings.is_empty() {
                 None
@@ -310,6 +322,9 @@ impl Daemon {
                     .ttl_ms
                     .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
                 bookings.book(slot, &request.keys, uncached, now, ttl);
+                if request.approximate {
+                    self.history.lock().record(slot, &request.keys);
+                }
                 booked = Some(answer.endpoint.clone());
             }
         }

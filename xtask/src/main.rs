@@ -10,7 +10,9 @@ use anyhow::bail;
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
-  demo          show what kvaffine computes, end to end as far as it is built
+  demo          two replicas, kvaffined and Envoy: a two-turn conversation, where each turn went
+  up [--replicas N] [--gateway-port P]
+                the same stack in the foreground (gateway on 127.0.0.1:P, default 8080)
   test          every check CI runs: fmt, clippy (native and wasm32), all tests
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md";
@@ -20,6 +22,7 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
         ["demo"] => demo::run(),
+        ["up", rest @ ..] => demo::up(rest),
         ["test"] => test(),
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
@@ -35,6 +38,7 @@ fn main() -> anyhow::Result<()> {
 fn test() -> anyhow::Result<()> {
     sh::ensure_wasm_target()?;
     sh::ensure_lint_components()?;
+    sh::ensure_envoy()?;
     sh::cargo(&["fmt", "--all", "--", "--check"])?;
     sh::cargo(&[
         "clippy",
@@ -51,13 +55,16 @@ fn test() -> anyhow::Result<()> {
         "kvaffine-core",
         "-p",
         "kvaffine-wasm-kernel",
+        "-p",
+        "kvaffine-filter",
         "--target",
         sh::WASM_TARGET,
         "--",
         "-D",
         "warnings",
     ])?;
-    // End-to-end suites start the workspace's binaries as real processes.
+    // End-to-end suites start the workspace's binaries, Envoy and the filter for real.
+    sh::build_filter()?;
     sh::cargo(&["build", "--workspace", "--bins"])?;
     let (passed, failed) = sh::cargo_test(&["test", "--workspace"])?;
     // The plain closing line CI reads, summed over every test binary above.

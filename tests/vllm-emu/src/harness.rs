@@ -6,24 +6,27 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+
 use std::time::{Duration, Instant};
 
 /// A workspace binary, next to the running test executable (`target/<profile>/<name>`).
 /// `cargo test --workspace` builds every package's binaries; `cargo xtask test` does too.
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    let path = profile_dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is not built: run `cargo build --workspace --bins` (cargo xtask test does)",
-        path.display()
-    );
-    path
+    // Tests run from target/<profile>/deps, binaries from target/<profile>.
+    let candidates: Vec<PathBuf> = exe
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .map(|dir| dir.join(name))
+        .collect();
+    match candidates.iter().find(|p| p.exists()) {
+        Some(path) => path.clone(),
+        None => panic!(
+            "{name} is not built next to {}: run `cargo build --workspace --bins` (cargo xtask test does)",
+            exe.display()
+        ),
+    }
 }
 
 /// Polls `condition` until it holds; panics after 20 s naming `what`.
@@ -81,6 +84,38 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
+/// Starts `program` and returns it with the first line it prints on stdout (where the
+/// workspace's servers announce the address they bound).
+pub fn spawn_announcing(
+    program: &std::path::Path,
+    args: &[String],
+    quiet: bool,
+) -> (Child, String) {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(if quiet {
+            Stdio::null()
+        } else {
+            Stdio::inherit()
+        })
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
+    let mut line = String::new();
+    if let Some(stdout) = child.stdout.take() {
+        let mut reader = BufReader::new(stdout);
+        let _ = reader.read_line(&mut line);
+        // Keep draining stdout so the child never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            while reader.read_line(&mut sink).is_ok_and(|n| n > 0) {
+                sink.clear();
+            }
+        });
+    }
+    (child, line)
+}
+
 /// A running `vllm-emu`, killed on drop.
 pub struct EmuProcess {
     child: Option<Child>,
@@ -123,16 +158,7 @@ impl EmuProcess {
     }
 
     fn spawn(&mut self) {
-        let mut child = Command::new(binary("vllm-emu"))
-            .args(&self.args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start vllm-emu: {e}"));
-        let mut line = String::new();
-        if let Some(stdout) = child.stdout.take() {
-            let _ = BufReader::new(stdout).read_line(&mut line);
-        }
+        let (child, line) = spawn_announcing(&binary("vllm-emu"), &self.args, true);
         let fields: Vec<&str> = line.split_whitespace().collect();
         match fields.as_slice() {
             ["vllm-emu", "listening", "on", http, events, replay] => {

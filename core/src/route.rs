@@ -1,0 +1,862 @@
+//! Turning a buffered request into the question kvaffine asks the index, and the index's
+//! answer into a pick. The filter is glue around these functions: everything it decides is
+//! decided here, natively tested.
+//!
+//! request body -> [`plan`] -> (tokenize call -> [`keys_from_tokenize`]) -> keys ->
+//! [`lookup_body`] -> index -> [`parse_lookup`] -> header values.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use crate::keys::{HashAlgo, KeyConfig, KeyConfigError, KeyExtras, LoraAdapter, VllmCompat};
+use crate::request::{self, ChatInput, RequestError};
+use crate::salt::CacheSalt;
+
+/// How the filter finds a replica for a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Exact tokens from `/tokenize`, vLLM's block keys, the KV-event index.
+    #[default]
+    Precise,
+    /// Keys from the request text, matched against where earlier requests were sent (no
+    /// tokenizer call; wrong wherever the chat template is not append-only).
+    Approximate,
+    /// No prefix information: the least loaded replica.
+    Load,
+    /// Strip routing headers and pass through.
+    Off,
+}
+
+/// How Responses bodies are tokenized (`/tokenize` does not take them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponsesTokenize {
+    /// Convert to the chat form as vLLM's `construct_input_messages` does.
+    #[default]
+    Convert,
+    /// `POST /v1/responses/render` (vLLM with `--enable-scale-out`).
+    Render,
+}
+
+/// Which gateway the filter runs in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Host {
+    /// Callouts by cluster name; pin with the endpoint header; clear the route cache.
+    #[default]
+    Envoy,
+    /// Callouts by `host:port`; pin with the `kong.service.target` property.
+    Kong,
+}
+
+fn default_paths() -> Vec<String> {
+    ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// The filter's configuration, as JSON in the gateway's plugin configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Upstream of `/tokenize` calls: an Envoy cluster, or `host:port` on Kong.
+    pub tokenizer_cluster: String,
+    /// `:authority` of tokenize calls (default: the cluster name).
+    #[serde(default)]
+    pub tokenizer_authority: Option<String>,
+    /// Upstream of the index daemon.
+    pub index_cluster: String,
+    /// `:authority` of lookups (default: the cluster name).
+    #[serde(default)]
+    pub index_authority: Option<String>,
+    /// vLLM's `--block-size`.
+    pub block_size: usize,
+    /// vLLM's `--prefix-caching-hash-algo`.
+    #[serde(default = "default_algo")]
+    pub hash_algo: String,
+    /// The replicas' `PYTHONHASHSEED`, if set.
+    #[serde(default)]
+    pub hash_seed: Option<String>,
+    /// `0.31` (tagged extra keys) or `0.30`.
+    #[serde(default = "default_compat")]
+    pub vllm_compat: String,
+    /// Default mode; routes may override it in metadata.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Deadline of each callout, milliseconds.
+    #[serde(default = "default_timeout")]
+    pub timeout_ms: u64,
+    /// Paths routed (POST only); anything else passes through.
+    #[serde(default = "default_paths")]
+    pub paths: Vec<String>,
+    /// Larger bodies are forwarded unrouted.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+    /// Ranked fallbacks sent after the pick.
+    #[serde(default = "default_fallbacks")]
+    pub fallbacks: usize,
+    /// Book each pick so siblings that arrive before its events follow it.
+    #[serde(default = "default_true")]
+    pub book: bool,
+    /// How Responses bodies are tokenized.
+    #[serde(default)]
+    pub responses_tokenize: ResponsesTokenize,
+    /// LoRA adapters: model name -> adapter path as the replicas load it.
+    #[serde(default)]
+    pub loras: HashMap<String, String>,
+    /// Bytes of request text per approximate key.
+    #[serde(default = "default_chunk")]
+    pub approximate_chunk_bytes: usize,
+    /// The gateway.
+    #[serde(default)]
+    pub host: Host,
+    /// Request header that carries the pick (Envoy's override_host source).
+    #[serde(default = "default_endpoint_header")]
+    pub endpoint_header: String,
+    /// Request header that carries the body's `model`, for model-to-pool routes.
+    #[serde(default = "default_model_header")]
+    pub model_header: String,
+}
+
+fn default_algo() -> String {
+    "sha256_cbor".into()
+}
+fn default_compat() -> String {
+    "0.31".into()
+}
+fn default_timeout() -> u64 {
+    300
+}
+fn default_max_body() -> usize {
+    16 * 1024 * 1024
+}
+fn default_fallbacks() -> usize {
+    1
+}
+fn default_true() -> bool {
+    true
+}
+fn default_chunk() -> usize {
+    256
+}
+fn default_endpoint_header() -> String {
+    "x-gateway-destination-endpoint".into()
+}
+fn default_model_header() -> String {
+    "x-kvaffine-model".into()
+}
+
+/// Why a filter configuration is refused (the gateway then rejects it).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// Not JSON of the expected shape.
+    #[error("invalid filter configuration: {0}")]
+    Json(#[from] serde_json::Error),
+    /// Key settings vLLM keys cannot match.
+    #[error(transparent)]
+    Keys(#[from] KeyConfigError),
+    /// A value out of range.
+    #[error("invalid filter configuration: {0}")]
+    Invalid(&'static str),
+}
+
+/// A validated configuration with its key configuration built once.
+#[derive(Clone, Debug)]
+pub struct Router {
+    /// What was configured.
+    pub config: FilterConfig,
+    /// How replicas key blocks.
+    pub keys: KeyConfig,
+}
+
+impl Router {
+    /// Parses and validates the plugin configuration.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let config: FilterConfig = serde_json::from_slice(bytes)?;
+        let algo: HashAlgo = config.hash_algo.parse()?;
+        let compat: VllmCompat = config.vllm_compat.parse()?;
+        let keys = KeyConfig::new(algo, config.block_size, config.hash_seed.as_deref(), compat)?;
+        if config.approximate_chunk_bytes == 0 {
+            return Err(ConfigError::Invalid(
+                "approximate_chunk_bytes must be at least 1",
+            ));
+        }
+        if config.timeout_ms == 0 {
+            return Err(ConfigError::Invalid("timeout_ms must be at least 1"));
+        }
+        if config.endpoint_header.is_empty() || config.model_header.is_empty() {
+            return Err(ConfigError::Invalid("header names must not be empty"));
+        }
+        Ok(Self { config, keys })
+    }
+
+    /// The API a POST to `path` (query string ignored) is, if it is routed. A configured
+    /// path also matches under a route prefix the gateway rewrites away
+    /// (`/approximate/v1/chat/completions`).
+    pub fn api(&self, path: &[u8]) -> Option<Api> {
+        let path = path.split(|b| *b == b'?').next().unwrap_or(path);
+        if !self
+            .config
+            .paths
+            .iter()
+            .any(|p| path.ends_with(p.as_bytes()))
+        {
+            return None;
+        }
+        Api::of(path)
+    }
+}
+
+/// The request APIs kvaffine understands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/chat/completions`.
+    ChatCompletions,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/responses`.
+    Responses,
+}
+
+impl Api {
+    fn of(path: &[u8]) -> Option<Self> {
+        if path.ends_with(b"/chat/completions") {
+            Some(Self::ChatCompletions)
+        } else if path.ends_with(b"/completions") {
+            Some(Self::Completions)
+        } else if path.ends_with(b"/responses") {
+            Some(Self::Responses)
+        } else {
+            None
+        }
+    }
+}
+
+/// Why a request is forwarded without a pick. Every variant is a pass-through with the
+/// body unchanged: the replica answers it as it would without kvaffine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// The body is not JSON (the replica answers its own 400).
+    NotJson,
+    /// The body is JSON but not an object.
+    NotAnObject,
+    /// vLLM will reject the salt with a 400.
+    InvalidCacheSalt,
+    /// `previous_response_id` history lives in one replica's memory, unknown to kvaffine.
+    PreviousResponse,
+    /// The body cannot be rendered (vLLM answers 400 too).
+    Unrenderable(String),
+    /// No prompt in the body.
+    NoPrompt,
+}
+
+impl Skip {
+    /// The `x-kvaffine-reason` value.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::NotJson => "unparsed-body",
+            Self::NotAnObject => "unparsed-body",
+            Self::InvalidCacheSalt => "invalid-cache-salt",
+            Self::PreviousResponse => "previous-response",
+            Self::Unrenderable(_) => "unrenderable",
+            Self::NoPrompt => "no-prompt",
+        }
+    }
+}
+
+/// The next step for a request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Call the tokenizer: `POST path` with `body`.
+    Tokenize {
+        /// `/tokenize` or `/v1/responses/render`.
+        path: &'static str,
+        /// The JSON body.
+        body: Vec<u8>,
+    },
+    /// Keys are known already (token-id prompts).
+    Lookup(Vec<u64>),
+    /// Approximate keys from the text.
+    Approximate(Vec<u64>),
+    /// No keys: rank by load.
+    LoadOnly,
+    /// Forward unpinned.
+    Skip(Skip),
+}
+
+/// What kvaffine learned from a request body.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The body's `model`, for the model header and the lookup.
+    pub model: Option<String>,
+    /// Salt and LoRA that enter the keys.
+    pub extras: KeyExtras,
+    /// The next step.
+    pub action: Action,
+    /// Request text, kept for the approximate fallback when tokenizing fails.
+    pub text: Option<String>,
+}
+
+fn skip(model: Option<String>, why: Skip) -> Plan {
+    Plan {
+        model,
+        extras: KeyExtras::default(),
+        action: Action::Skip(why),
+        text: None,
+    }
+}
+
+/// The text an approximate key is made from: roles and contents in order.
+fn chat_text(messages: &[Value]) -> String {
+    let mut text = String::new();
+    for message in messages {
+        text.push_str(message.get("role").and_then(Value::as_str).unwrap_or(""));
+        text.push('\n');
+        if let Some(content) = message.get("content").and_then(request::content_text) {
+            text.push_str(&content);
+        }
+        if let Some(calls) = message.get("tool_calls") {
+            text.push_str(&calls.to_string());
+        }
+        text.push('\n');
+    }
+    text
+}
+
+fn tokenize_chat_body(model: Option<&str>, input: &ChatInput, body: &Value) -> Vec<u8> {
+    let flag = |key: &str, default: bool| body.get(key).and_then(Value::as_bool).unwrap_or(default);
+    let mut call = Map::new();
+    if let Some(model) = model {
+        call.insert("model".into(), json!(model));
+    }
+    call.insert("messages".into(), json!(input.messages));
+    call.insert(
+        "add_generation_prompt".into(),
+        json!(flag("add_generation_prompt", true)),
+    );
+    call.insert(
+        "continue_final_message".into(),
+        json!(flag("continue_final_message", false)),
+    );
+    if let Some(tools) = &input.tools {
+        call.insert("tools".into(), json!(tools));
+    }
+    if !input.chat_template_kwargs.is_empty() {
+        call.insert(
+            "chat_template_kwargs".into(),
+            Value::Object(input.chat_template_kwargs.clone()),
+        );
+    }
+    Value::Object(call).to_string().into_bytes()
+}
+
+/// Reads a buffered request body and decides the next step in `mode` (the configured one,
+/// or a route's override).
+pub fn plan(router: &Router, api: Api, mode: Mode, body: &[u8]) -> Plan {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return skip(None, Skip::NotJson);
+    };
+    if !value.is_object() {
+        return skip(None, Skip::NotAnObject);
+    }
+    let model = value
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    let cache_salt = match value.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => match CacheSalt::parse(s) {
+            Ok(salt) => Some(salt),
+            Err(_) => return skip(model, Skip::InvalidCacheSalt),
+        },
+        Some(_) => return skip(model, Skip::InvalidCacheSalt),
+    };
+    let lora = model.as_ref().and_then(|name| {
+        router.config.loras.get(name).map(|path| LoraAdapter {
+            name: name.clone(),
+            path: path.clone(),
+        })
+    });
+    let extras = KeyExtras { lora, cache_salt };
+    let with = |action: Action, text: Option<String>| Plan {
+        model: model.clone(),
+        extras: extras.clone(),
+        action,
+        text,
+    };
+    if mode == Mode::Load {
+        return with(Action::LoadOnly, None);
+    }
+    let unrenderable = |e: RequestError| skip(model.clone(), Skip::Unrenderable(e.to_string()));
+    match api {
+        Api::ChatCompletions => {
+            let Some(messages) = value.get("messages").and_then(Value::as_array) else {
+                return skip(model, Skip::NoPrompt);
+            };
+            let kwargs = match request::template_kwargs(&value) {
+                Ok(k) => k,
+                Err(e) => return unrenderable(e),
+            };
+            let tools = value.get("tools").and_then(Value::as_array).cloned();
+            let input = ChatInput {
+                messages: messages.clone(),
+                tools,
+                chat_template_kwargs: kwargs,
+            };
+            let text = chat_text(messages);
+            text_or_tokenize(router, mode, &extras, model.as_deref(), text, || {
+                (
+                    "/tokenize",
+                    tokenize_chat_body(model.as_deref(), &input, &value),
+                )
+            })
+            .with_plan(with)
+        }
+        Api::Completions => match value.get("prompt") {
+            Some(Value::String(prompt)) => {
+                let call = || {
+                    let mut body = Map::new();
+                    if let Some(m) = &model {
+                        body.insert("model".into(), json!(m));
+                    }
+                    body.insert("prompt".into(), json!(prompt));
+                    ("/tokenize", Value::Object(body).to_string().into_bytes())
+                };
+                text_or_tokenize(
+                    router,
+                    mode,
+                    &extras,
+                    model.as_deref(),
+                    prompt.clone(),
+                    call,
+                )
+                .with_plan(with)
+            }
+            Some(Value::Array(ids)) if !ids.is_empty() && ids.iter().all(Value::is_u64) => {
+                let tokens: Option<Vec<u32>> = ids
+                    .iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect();
+                match tokens {
+                    Some(tokens) => {
+                        let keys = block_keys(router, &extras, &tokens);
+                        with(Action::Lookup(keys), None)
+                    }
+                    None => skip(model, Skip::NoPrompt),
+                }
+            }
+            _ => skip(model, Skip::NoPrompt),
+        },
+        Api::Responses => {
+            if value
+                .get("previous_response_id")
+                .is_some_and(|v| !v.is_null())
+            {
+                return skip(model, Skip::PreviousResponse);
+            }
+            let input = match request::responses_chat_input(&value, &[]) {
+                Ok(input) => input,
+                Err(e) => return unrenderable(e),
+            };
+            let text = chat_text(&input.messages);
+            let render = router.config.responses_tokenize == ResponsesTokenize::Render;
+            text_or_tokenize(router, mode, &extras, model.as_deref(), text, || {
+                if render {
+                    ("/v1/responses/render", body.to_vec())
+                } else {
+                    (
+                        "/tokenize",
+                        tokenize_chat_body(model.as_deref(), &input, &value),
+                    )
+                }
+            })
+            .with_plan(with)
+        }
+    }
+}
+
+/// The step chosen for a prompt, before the plan around it is built.
+struct Step(Action, Option<String>);
+
+impl Step {
+    fn with_plan(self, build: impl Fn(Action, Option<String>) -> Plan) -> Plan {
+        build(self.0, self.1)
+    }
+}
+
+fn text_or_tokenize(
+    router: &Router,
+    mode: Mode,
+    extras: &KeyExtras,
+    model: Option<&str>,
+    text: String,
+    call: impl FnOnce() -> (&'static str, Vec<u8>),
+) -> Step {
+    match mode {
+        Mode::Approximate => Step(
+            Action::Approximate(approximate_keys(router, model, extras, &text)),
+            None,
+        ),
+        _ => {
+            let (path, body) = call();
+            Step(Action::Tokenize { path, body }, Some(text))
+        }
+    }
+}
+
+/// vLLM's block keys (event form) of `tokens`.
+pub fn block_keys(router: &Router, extras: &KeyExtras, tokens: &[u32]) -> Vec<u64> {
+    let mut chain = router.keys.chain(extras);
+    chain.extend(tokens);
+    chain.keys().map(|k| k.0).collect()
+}
+
+/// Keys from request text, for approximate routing: fixed-size byte chunks, each key
+/// chained from the previous one and seeded by the model and salt (so salts never share
+/// keys here either). Only full chunks are keyed.
+pub fn approximate_keys(
+    router: &Router,
+    model: Option<&str>,
+    extras: &KeyExtras,
+    text: &str,
+) -> Vec<u64> {
+    use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+    let mut seed_material = Vec::new();
+    seed_material.extend_from_slice(model.unwrap_or("").as_bytes());
+    seed_material.push(0);
+    if let Some(salt) = &extras.cache_salt {
+        seed_material.extend_from_slice(salt.as_str().as_bytes());
+    }
+    seed_material.push(0);
+    if let Some(lora) = &extras.lora {
+        seed_material.extend_from_slice(lora.name.as_bytes());
+    }
+    let mut key = xxh3_64(&seed_material);
+    text.as_bytes()
+        .chunks_exact(router.config.approximate_chunk_bytes)
+        .map(|chunk| {
+            key = xxh3_64_with_seed(chunk, key);
+            key
+        })
+        .collect()
+}
+
+/// Why a tokenizer answer is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenizeError {
+    /// Not JSON with a `tokens` (or `token_ids`) array of u32.
+    #[error("the tokenizer's answer has no token list")]
+    NoTokens,
+}
+
+/// Keys of a `/tokenize` (or render) answer.
+pub fn keys_from_tokenize(
+    router: &Router,
+    extras: &KeyExtras,
+    answer: &[u8],
+) -> Result<Vec<u64>, TokenizeError> {
+    let value: Value = serde_json::from_slice(answer).map_err(|_| TokenizeError::NoTokens)?;
+    let list = value
+        .get("tokens")
+        .or_else(|| value.get("token_ids"))
+        .and_then(Value::as_array)
+        .ok_or(TokenizeError::NoTokens)?;
+    let tokens: Vec<u32> = list
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect::<Option<_>>()
+        .ok_or(TokenizeError::NoTokens)?;
+    Ok(block_keys(router, extras, &tokens))
+}
+
+/// The daemon lookup for `keys`.
+pub fn lookup_body(
+    router: &Router,
+    keys: &[u64],
+    model: Option<&str>,
+    approximate: bool,
+) -> Vec<u8> {
+    let mut body = Map::new();
+    body.insert("keys".into(), json!(keys));
+    if let Some(model) = model {
+        body.insert("model".into(), json!(model));
+    }
+    if router.config.book {
+        body.insert("book".into(), json!({}));
+    }
+    if approximate {
+        body.insert("approximate".into(), json!(true));
+    }
+    Value::Object(body).to_string().into_bytes()
+}
+
+/// A pick: the endpoints to try in order, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pick {
+    /// The pick first, then the ranked fallbacks.
+    pub endpoints: Vec<String>,
+    /// Blocks the pick holds.
+    pub matched_blocks: u64,
+    /// The daemon's reason.
+    pub reason: String,
+}
+
+impl Pick {
+    /// The endpoint header value: comma-separated, as override_host reads it.
+    pub fn header_value(&self) -> String {
+        self.endpoints.join(",")
+    }
+}
+
+/// Why a lookup answer is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LookupError {
+    /// Not the daemon's JSON.
+    #[error("the index's answer is not a lookup response")]
+    Malformed,
+    /// No endpoint to pick.
+    #[error("the index knows no endpoint for this request")]
+    Empty,
+}
+
+fn valid_endpoint(endpoint: &str) -> bool {
+    endpoint
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+        && endpoint
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]_".contains(&b))
+}
+
+/// Reads the daemon's answer into a pick with at most `1 + fallbacks` endpoints.
+pub fn parse_lookup(router: &Router, answer: &[u8]) -> Result<Pick, LookupError> {
+    let value: Value = serde_json::from_slice(answer).map_err(|_| LookupError::Malformed)?;
+    let ranked = value
+        .get("ranked")
+        .and_then(Value::as_array)
+        .ok_or(LookupError::Malformed)?;
+    let endpoints: Vec<String> = ranked
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|e| valid_endpoint(e))
+        .take(1 + router.config.fallbacks)
+        .map(str::to_owned)
+        .collect();
+    let first = endpoints.first().ok_or(LookupError::Empty)?;
+    let matched_blocks = value
+        .get("endpoints")
+        .and_then(Value::as_array)
+        .and_then(|all| {
+            all.iter()
+                .find(|e| e.get("endpoint").and_then(Value::as_str) == Some(first))
+        })
+        .and_then(|e| e.get("matched_blocks"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let reason = value
+        .get("reason")
+        .and_then(Value::as_str)
+        .unwrap_or("prefix")
+        .to_owned();
+    Ok(Pick {
+        endpoints,
+        matched_blocks,
+        reason,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn router(extra: &str) -> Router {
+        let json =
+            format!(r#"{{"tokenizer_cluster":"tok","index_cluster":"idx","block_size":4{extra}}}"#);
+        Router::from_json(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn configs_are_validated() {
+        assert!(Router::from_json(b"{}").is_err());
+        let bad_algo =
+            br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":4,"hash_algo":"sha256"}"#;
+        assert!(matches!(
+            Router::from_json(bad_algo),
+            Err(ConfigError::Keys(_))
+        ));
+        let unknown = br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":4,"nope":1}"#;
+        assert!(Router::from_json(unknown).is_err());
+        assert_eq!(router("").config.mode, Mode::Precise);
+    }
+
+    #[test]
+    fn only_configured_post_paths_are_routed() {
+        let r = router("");
+        assert_eq!(
+            r.api(b"/v1/chat/completions?x=1"),
+            Some(Api::ChatCompletions)
+        );
+        assert_eq!(r.api(b"/v1/completions"), Some(Api::Completions));
+        assert_eq!(r.api(b"/v1/responses"), Some(Api::Responses));
+        assert_eq!(r.api(b"/v1/models"), None);
+        assert_eq!(r.api(b"/approximate/v1/responses"), Some(Api::Responses));
+        let narrow = router(r#","paths":["/v1/responses"]"#);
+        assert_eq!(narrow.api(b"/v1/chat/completions"), None);
+    }
+
+    #[test]
+    fn chat_requests_tokenize_with_the_effort_folded_into_template_kwargs() {
+        let r = router("");
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"reasoning_effort":"high","tools":[{"type":"function","function":{"name":"f"}}],"cache_salt":"t"}"#;
+        let plan = plan(&r, Api::ChatCompletions, r.config.mode, body);
+        assert_eq!(plan.model.as_deref(), Some("m"));
+        assert_eq!(
+            plan.extras.cache_salt.as_ref().map(|s| s.as_str()),
+            Some("t")
+        );
+        let Action::Tokenize { path, body } = plan.action else {
+            panic!()
+        };
+        assert_eq!(path, "/tokenize");
+        let call: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            call["chat_template_kwargs"],
+            json!({"reasoning_effort": "high", "enable_thinking": true})
+        );
+        assert_eq!(call["tools"][0]["function"]["name"], "f");
+        assert_eq!(call["add_generation_prompt"], true);
+        assert!(
+            call.get("cache_salt").is_none(),
+            "/tokenize ignores it; keys carry it"
+        );
+    }
+
+    #[test]
+    fn bodies_kvaffine_cannot_use_pass_through_with_a_reason() {
+        let r = router("");
+        assert_eq!(
+            plan(&r, Api::ChatCompletions, r.config.mode, b"{not json").action,
+            Action::Skip(Skip::NotJson)
+        );
+        assert_eq!(
+            plan(&r, Api::ChatCompletions, r.config.mode, b"[1]").action,
+            Action::Skip(Skip::NotAnObject)
+        );
+        let salt = br#"{"messages":[],"cache_salt":"a/b"}"#;
+        assert_eq!(
+            plan(&r, Api::ChatCompletions, r.config.mode, salt).action,
+            Action::Skip(Skip::InvalidCacheSalt)
+        );
+        let previous = br#"{"input":"x","previous_response_id":"resp_1"}"#;
+        assert_eq!(
+            plan(&r, Api::Responses, r.config.mode, previous).action,
+            Action::Skip(Skip::PreviousResponse)
+        );
+        assert_eq!(
+            plan(&r, Api::Completions, r.config.mode, br#"{"prompt":7}"#).action,
+            Action::Skip(Skip::NoPrompt)
+        );
+    }
+
+    #[test]
+    fn token_id_prompts_need_no_tokenizer_and_salts_change_their_keys() {
+        let r = router("");
+        let plain = plan(
+            &r,
+            Api::Completions,
+            r.config.mode,
+            br#"{"prompt":[1,2,3,4,5,6,7,8,9]}"#,
+        );
+        let salted = plan(
+            &r,
+            Api::Completions,
+            r.config.mode,
+            br#"{"prompt":[1,2,3,4,5,6,7,8,9],"cache_salt":"s"}"#,
+        );
+        let (Action::Lookup(a), Action::Lookup(b)) = (plain.action, salted.action) else {
+            panic!()
+        };
+        assert_eq!(a.len(), 2);
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+    }
+
+    #[test]
+    fn responses_convert_or_render() {
+        let body = br#"{"model":"m","instructions":"be brief","input":"hello"}"#;
+        let Action::Tokenize { path, body: call } =
+            plan(&router(""), Api::Responses, Mode::Precise, body).action
+        else {
+            panic!()
+        };
+        assert_eq!(path, "/tokenize");
+        let call: Value = serde_json::from_slice(&call).unwrap();
+        assert_eq!(
+            call["messages"][0],
+            json!({"role": "system", "content": "be brief"})
+        );
+        let render = router(r#","responses_tokenize":"render""#);
+        let Action::Tokenize { path, body: call } =
+            plan(&render, Api::Responses, render.config.mode, body).action
+        else {
+            panic!()
+        };
+        assert_eq!((path, call.as_slice()), ("/v1/responses/render", &body[..]));
+    }
+
+    #[test]
+    fn approximate_keys_follow_text_prefixes_and_salts() {
+        let r = router(r#","mode":"approximate","approximate_chunk_bytes":8"#);
+        let keys = |text: &str, salt: Option<&str>| {
+            let extras = KeyExtras {
+                cache_salt: salt.map(|s| CacheSalt::parse(s).unwrap()),
+                ..KeyExtras::default()
+            };
+            approximate_keys(&r, Some("m"), &extras, text)
+        };
+        let short = keys("0123456789abcdefXYZ", None);
+        let long = keys("0123456789abcdefXYZ0123456789", None);
+        assert_eq!(short.len(), 2);
+        assert_eq!(&long[..2], &short[..]);
+        assert_ne!(keys("0123456789abcdef", Some("s")), short);
+        let body = br#"{"messages":[{"role":"user","content":"a long enough message"}]}"#;
+        assert!(
+            matches!(plan(&r, Api::ChatCompletions, r.config.mode, body).action, Action::Approximate(k) if !k.is_empty())
+        );
+    }
+
+    #[test]
+    fn lookups_are_read_into_a_bounded_pick_of_valid_endpoints() {
+        let r = router(r#","fallbacks":1"#);
+        let answer =
+            br#"{"ranked":["10.0.0.2:8000","evil host:80","10.0.0.1:8000","10.0.0.3:8000"],
+            "endpoints":[{"endpoint":"10.0.0.2:8000","matched_blocks":7}],"reason":"prefix"}"#;
+        let pick = parse_lookup(&r, answer).unwrap();
+        assert_eq!(pick.header_value(), "10.0.0.2:8000,10.0.0.1:8000");
+        assert_eq!((pick.matched_blocks, pick.reason.as_str()), (7, "prefix"));
+        assert_eq!(
+            parse_lookup(&r, br#"{"ranked":[]}"#),
+            Err(LookupError::Empty)
+        );
+        assert_eq!(parse_lookup(&r, b"nope"), Err(LookupError::Malformed));
+    }
+
+    #[test]
+    fn tokenize_answers_become_keys() {
+        let r = router("");
+        let keys = keys_from_tokenize(
+            &r,
+            &KeyExtras::default(),
+            br#"{"count":9,"tokens":[1,2,3,4,5,6,7,8,9]}"#,
+        )
+        .unwrap();
+        assert_eq!(keys.len(), 2);
+        let render =
+            keys_from_tokenize(&r, &KeyExtras::default(), br#"{"token_ids":[1,2,3,4]}"#).unwrap();
+        assert_eq!(render, keys[..1]);
+        assert!(keys_from_tokenize(&r, &KeyExtras::default(), br#"{"tokens":[-1]}"#).is_err());
+    }
+}

@@ -1,0 +1,116 @@
+//! Where approximate keys were routed: the index approximate mode asks, in place of KV
+//! events (which carry vLLM's keys, not text-derived ones). Like Gateway API Inference
+//! Extension's approximate prefix scorer, it remembers the replicas earlier requests with
+//! the same text prefix were sent to, least recently used first out.
+
+use std::collections::{HashMap, VecDeque};
+
+use foldhash::fast::RandomState;
+
+use crate::index::{MAX_SLOTS, Slot};
+
+struct Entry {
+    holders: u64,
+    stamp: u64,
+}
+
+/// Text-prefix keys and the slots they were routed to, bounded to `capacity` keys.
+pub struct History {
+    entries: HashMap<u64, Entry, RandomState>,
+    /// Keys in the order they were last touched; stale positions are skipped on eviction.
+    order: VecDeque<(u64, u64)>,
+    stamp: u64,
+    capacity: usize,
+}
+
+impl History {
+    /// An empty history of at most `capacity` keys.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            entries: HashMap::default(),
+            order: VecDeque::new(),
+            stamp: 0,
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// `slot` served a request with these keys.
+    pub fn record(&mut self, slot: Slot, keys: &[u64]) {
+        for &key in keys {
+            self.stamp += 1;
+            let entry = self.entries.entry(key).or_insert(Entry {
+                holders: 0,
+                stamp: 0,
+            });
+            entry.holders |= 1 << slot.index();
+            entry.stamp = self.stamp;
+            self.order.push_back((key, self.stamp));
+        }
+        while self.entries.len() > self.capacity || self.order.len() > 4 * self.capacity {
+            let Some((key, stamp)) = self.order.pop_front() else {
+                break;
+            };
+            if self.entries.get(&key).is_some_and(|e| e.stamp == stamp) {
+                self.entries.remove(&key);
+            }
+        }
+    }
+
+    /// For every slot, how many leading `keys` were routed to it.
+    pub fn longest_prefixes(&self, keys: &[u64]) -> [u32; MAX_SLOTS] {
+        let mut matched = [0u32; MAX_SLOTS];
+        let mut alive = u64::MAX;
+        for (depth, key) in keys.iter().enumerate() {
+            let here = self.entries.get(key).map_or(0, |e| e.holders) & alive;
+            let mut gone = alive & !here;
+            while gone != 0 {
+                let slot = gone.trailing_zeros() as usize;
+                if let Some(m) = matched.get_mut(slot) {
+                    *m = depth as u32;
+                }
+                gone &= gone - 1;
+            }
+            alive = here;
+            if alive == 0 {
+                return matched;
+            }
+        }
+        let mut rest = alive;
+        while rest != 0 {
+            let slot = rest.trailing_zeros() as usize;
+            if let Some(m) = matched.get_mut(slot) {
+                *m = keys.len() as u32;
+            }
+            rest &= rest - 1;
+        }
+        matched
+    }
+
+    /// Forgets `slot` (its endpoint was removed).
+    pub fn forget_slot(&mut self, slot: Slot) {
+        self.entries.retain(|_, e| {
+            e.holders &= !(1 << slot.index());
+            e.holders != 0
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remembers_routed_prefixes_and_forgets_the_least_recent() {
+        let (a, b) = (Slot::new(0).unwrap(), Slot::new(1).unwrap());
+        let mut history = History::new(4);
+        history.record(a, &[1, 2, 3]);
+        history.record(b, &[1, 9]);
+        let m = history.longest_prefixes(&[1, 2, 3]);
+        assert_eq!((m[0], m[1]), (3, 1));
+        // Touching 1 and 9 again, then a new key, evicts 2 (least recently touched).
+        history.record(b, &[1, 9, 10]);
+        assert_eq!(history.longest_prefixes(&[1, 2, 3])[0], 1);
+        history.forget_slot(b);
+        assert_eq!(history.longest_prefixes(&[1, 9])[1], 0);
+    }
+}

@@ -1,0 +1,465 @@
+//! kvaffine's proxy-wasm filter: thin glue between the gateway and `kvaffine-core`.
+//!
+//! Per request: strip client routing headers; hold the headers and buffer the body; ask a
+//! replica's `/tokenize` for the exact tokens; compute vLLM's block keys; ask `kvaffined`
+//! which replica holds the longest prefix; pin it; resume. Every failure resumes the
+//! request unpinned, so routing can lose affinity but never a request. Decisions are
+//! made in `kvaffine_core::route`; this crate only moves bytes between it and the host.
+//!
+//! Host calls go through `proxy_wasm::hostcalls`, which return `Result`s; the SDK's
+//! trait helpers unwrap them and would trap the VM (stranding the paused request).
+
+mod stats;
+
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+use kvaffine_core::route::{self, Action as Step, Api, Host, Mode, Plan, Router};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+
+use stats::{Outcome, Stats};
+
+// The SDK's entry point (`_initialize`): registers the root context.
+#[allow(missing_docs)]
+mod entry {
+    use super::*;
+
+    proxy_wasm::main! {{
+        proxy_wasm::set_log_level(LogLevel::Info);
+        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+    }}
+}
+
+/// Response headers that say what the filter did.
+const ENDPOINT_HEADER: &str = "x-kvaffine-endpoint";
+const MATCHED_HEADER: &str = "x-kvaffine-matched-blocks";
+const REASON_HEADER: &str = "x-kvaffine-reason";
+const MODE_HEADER: &str = "x-kvaffine-mode";
+/// Route metadata namespace for per-route settings (`mode`).
+const METADATA_NAMESPACE: &str = "kvaffine";
+
+#[derive(Default)]
+struct Root {
+    router: Option<Rc<Router>>,
+    stats: Option<Rc<Stats>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(Some(bytes)) => bytes,
+            _ => {
+                log(LogLevel::Error, "kvaffine: no plugin configuration");
+                return false;
+            }
+        };
+        match Router::from_json(&bytes) {
+            Ok(router) => {
+                self.router = Some(Rc::new(router));
+                self.stats = Some(Rc::new(Stats::define()));
+                true
+            }
+            Err(err) => {
+                log(LogLevel::Error, &format!("kvaffine: {err}"));
+                false
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let (router, stats) = (self.router.clone()?, self.stats.clone()?);
+        Some(Box::new(Request {
+            router,
+            stats,
+            phase: Phase::Idle,
+            started: None,
+            mode: Mode::Precise,
+            model: None,
+            outcome: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+enum Phase {
+    /// Not routing this request (pass-through, or done).
+    Idle,
+    /// Headers held, body arriving.
+    Buffering(Api),
+    /// Waiting for the tokenizer.
+    Tokenizing {
+        token: u32,
+        plan: Plan,
+        since: SystemTime,
+    },
+    /// Waiting for the index.
+    LookingUp { token: u32, since: SystemTime },
+}
+
+/// What happened to the request, for the response headers.
+struct Decision {
+    endpoint: Option<String>,
+    matched_blocks: u64,
+    reason: &'static str,
+    mode: &'static str,
+}
+
+struct Request {
+    router: Rc<Router>,
+    stats: Rc<Stats>,
+    phase: Phase,
+    started: Option<SystemTime>,
+    mode: Mode,
+    model: Option<String>,
+    outcome: Option<Decision>,
+}
+
+fn log(level: LogLevel, message: &str) {
+    // Logging cannot fail in a way the request should notice.
+    let _ = hostcalls::log(level, message);
+}
+
+fn now() -> SystemTime {
+    hostcalls::get_current_time().unwrap_or(SystemTime::UNIX_EPOCH)
+}
+
+fn elapsed_us(since: SystemTime) -> u64 {
+    now()
+        .duration_since(since)
+        .map_or(0, |d| d.as_micros().min(u128::from(u64::MAX)) as u64)
+}
+
+fn request_header(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Precise => "precise",
+        Mode::Approximate => "approximate",
+        Mode::Load => "load",
+        Mode::Off => "off",
+    }
+}
+
+/// A per-route mode from route metadata (`filter_metadata.kvaffine.mode`), if set.
+fn route_mode() -> Option<Mode> {
+    let path = vec![
+        "xds",
+        "route_metadata",
+        "filter_metadata",
+        METADATA_NAMESPACE,
+        "mode",
+    ];
+    let value = hostcalls::get_property(path).ok().flatten()?;
+    match value.as_slice() {
+        b"precise" => Some(Mode::Precise),
+        b"approximate" => Some(Mode::Approximate),
+        b"load" => Some(Mode::Load),
+        b"off" => Some(Mode::Off),
+        _ => None,
+    }
+}
+
+impl Request {
+    fn config(&self) -> &route::FilterConfig {
+        &self.router.config
+    }
+
+    /// Ends routing for this request without a pick.
+    fn unpinned(&mut self, outcome: Outcome, mode: &'static str) {
+        self.stats.count(outcome);
+        self.outcome = Some(Decision {
+            endpoint: None,
+            matched_blocks: 0,
+            reason: outcome.reason(),
+            mode,
+        });
+        self.phase = Phase::Idle;
+    }
+
+    fn clear_route_cache(&self) {
+        // Envoy re-matches the route after header changes; Kong has no route cache
+        // (NotFound), which is fine.
+        let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+    }
+
+    fn resume(&mut self) {
+        if let Some(started) = self.started.take() {
+            self.stats.added_latency(elapsed_us(started));
+        }
+        self.clear_route_cache();
+        if hostcalls::resume_http_request().is_err() {
+            log(LogLevel::Warn, "kvaffine: cannot resume the request");
+        }
+    }
+
+    fn callout(&self, cluster: &str, authority: &str, path: &str, body: &[u8]) -> Option<u32> {
+        let headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            (":authority", authority),
+            ("content-type", "application/json"),
+        ];
+        let timeout = Duration::from_millis(self.config().timeout_ms);
+        hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).ok()
+    }
+
+    /// Asks the index; true if the callout is in flight.
+    fn lookup(&mut self, keys: &[u64], approximate: bool) -> bool {
+        let body = route::lookup_body(&self.router, keys, self.model.as_deref(), approximate);
+        let config = self.config();
+        let authority = config
+            .index_authority
+            .clone()
+            .unwrap_or_else(|| config.index_cluster.clone());
+        match self.callout(&config.index_cluster, &authority, "/v1/lookup", &body) {
+            Some(token) => {
+                self.phase = Phase::LookingUp {
+                    token,
+                    since: now(),
+                };
+                true
+            }
+            None => {
+                self.unpinned(Outcome::IndexUnavailable, mode_name(self.mode));
+                false
+            }
+        }
+    }
+
+    /// Carries out a plan's next step; true if the request stays paused.
+    fn step(&mut self, plan: Plan) -> bool {
+        match plan.action.clone() {
+            Step::Skip(skip) => {
+                self.unpinned(Outcome::Skipped(skip.reason()), mode_name(self.mode));
+                false
+            }
+            Step::LoadOnly => self.lookup(&[], false),
+            Step::Lookup(keys) => self.lookup(&keys, false),
+            Step::Approximate(keys) => self.lookup(&keys, true),
+            Step::Tokenize { path, body } => {
+                let config = self.config();
+                let authority = config
+                    .tokenizer_authority
+                    .clone()
+                    .unwrap_or_else(|| config.tokenizer_cluster.clone());
+                match self.callout(&config.tokenizer_cluster, &authority, path, &body) {
+                    Some(token) => {
+                        self.phase = Phase::Tokenizing {
+                            token,
+                            plan,
+                            since: now(),
+                        };
+                        true
+                    }
+                    None => self.approximate_fallback(&plan),
+                }
+            }
+        }
+    }
+
+    /// Tokenizing failed: route on text-derived keys rather than not at all.
+    fn approximate_fallback(&mut self, plan: &Plan) -> bool {
+        self.stats.count(Outcome::TokenizeFailed);
+        match &plan.text {
+            Some(text) => {
+                self.mode = Mode::Approximate;
+                let keys = route::approximate_keys(
+                    &self.router,
+                    plan.model.as_deref(),
+                    &plan.extras,
+                    text,
+                );
+                self.lookup(&keys, true)
+            }
+            None => {
+                self.unpinned(Outcome::TokenizeFailed, "precise");
+                false
+            }
+        }
+    }
+
+    fn pin(&mut self, pick: &route::Pick) -> bool {
+        let header = self.config().endpoint_header.clone();
+        let value = pick.header_value();
+        if hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(&value)).is_err() {
+            return false;
+        }
+        if self.config().host == Host::Kong {
+            let Some(first) = pick.endpoints.first() else {
+                return false;
+            };
+            if hostcalls::set_property(vec!["kong", "service", "target"], Some(first.as_bytes()))
+                .is_err()
+            {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn on_tokenized(&mut self, plan: Plan, since: SystemTime) -> bool {
+        self.stats.tokenize_latency(elapsed_us(since));
+        let ok = call_status() == Some(200);
+        let keys = call_body()
+            .filter(|_| ok)
+            .and_then(|body| route::keys_from_tokenize(&self.router, &plan.extras, &body).ok());
+        match keys {
+            Some(keys) => self.lookup(&keys, false),
+            None => self.approximate_fallback(&plan),
+        }
+    }
+
+    fn on_looked_up(&mut self, since: SystemTime) {
+        self.stats.lookup_latency(elapsed_us(since));
+        let pick = call_body()
+            .filter(|_| call_status() == Some(200))
+            .and_then(|body| route::parse_lookup(&self.router, &body).ok());
+        let mode = mode_name(self.mode);
+        match pick {
+            Some(pick) if self.pin(&pick) => {
+                self.stats
+                    .count(Outcome::Routed(stats::routed_reason(&pick.reason)));
+                self.outcome = Some(Decision {
+                    endpoint: pick.endpoints.first().cloned(),
+                    matched_blocks: pick.matched_blocks,
+                    reason: stats::routed_reason(&pick.reason),
+                    mode,
+                });
+                self.phase = Phase::Idle;
+            }
+            _ => self.unpinned(Outcome::IndexUnavailable, mode),
+        }
+    }
+}
+
+fn call_status() -> Option<u16> {
+    hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
+}
+
+fn call_body() -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, usize::MAX)
+        .ok()
+        .flatten()
+}
+
+impl Context for Request {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _headers: usize,
+        _body: usize,
+        _trailers: usize,
+    ) {
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Tokenizing { token, plan, since } if token == token_id => {
+                if self.on_tokenized(plan, since) {
+                    return;
+                }
+            }
+            Phase::LookingUp { token, since } if token == token_id => self.on_looked_up(since),
+            other => {
+                // A late answer to a callout this request no longer waits for.
+                self.phase = other;
+                return;
+            }
+        }
+        self.resume();
+    }
+}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        // Clients never choose replicas or pools: strip what only kvaffine may set, on
+        // every request, whatever happens next.
+        for name in [
+            self.config().endpoint_header.as_str(),
+            self.config().model_header.as_str(),
+        ] {
+            let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
+        }
+        self.stats.count(Outcome::Request);
+        self.mode = route_mode().unwrap_or(self.config().mode);
+        if self.mode == Mode::Off {
+            self.unpinned(Outcome::Disabled, "off");
+            return Action::Continue;
+        }
+        let is_post = request_header(":method").is_some_and(|m| m == b"POST");
+        let api = request_header(":path").and_then(|p| self.router.api(&p));
+        match (is_post, api) {
+            (true, Some(api)) if !end_of_stream => {
+                self.started = Some(now());
+                self.phase = Phase::Buffering(api);
+                Action::Pause
+            }
+            (true, Some(_)) => {
+                self.unpinned(Outcome::Skipped("no-prompt"), mode_name(self.mode));
+                Action::Continue
+            }
+            _ => {
+                self.unpinned(Outcome::PassThrough, mode_name(self.mode));
+                Action::Continue
+            }
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Phase::Buffering(api) = self.phase else {
+            return Action::Continue;
+        };
+        if body_size > self.config().max_body_bytes {
+            self.unpinned(Outcome::Skipped("body-too-large"), mode_name(self.mode));
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
+            Ok(Some(body)) => body,
+            _ => {
+                self.unpinned(Outcome::Skipped("body-unreadable"), mode_name(self.mode));
+                return Action::Continue;
+            }
+        };
+        let plan = route::plan(&self.router, api, self.mode, &body);
+        if let Some(model) = &plan.model {
+            let header = self.config().model_header.clone();
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(model));
+        }
+        self.model = plan.model.clone();
+        if self.step(plan) {
+            return Action::Pause;
+        }
+        self.started = None;
+        self.clear_route_cache();
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(decision) = &self.outcome {
+            let set = |name: &str, value: &str| {
+                let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+            };
+            if let Some(endpoint) = &decision.endpoint {
+                set(ENDPOINT_HEADER, endpoint);
+                set(MATCHED_HEADER, &decision.matched_blocks.to_string());
+            }
+            set(REASON_HEADER, decision.reason);
+            set(MODE_HEADER, decision.mode);
+        }
+        Action::Continue
+    }
+}

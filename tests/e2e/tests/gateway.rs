@@ -1,0 +1,331 @@
+//! End to end through a real Envoy 1.40 with the filter, a real kvaffined and vllm-emu
+//! replicas, all on loopback. Needs `cargo xtask test` (it builds the filter and installs
+//! Envoy first).
+
+use std::time::Duration;
+
+use kvaffine_e2e::client::{Reply, post_json, send, send_raw};
+use kvaffine_e2e::{Stack, StackConfig, poll};
+use serde_json::{Value, json};
+
+fn chat(stack: &Stack, body: &Value) -> Reply {
+    post_json(&stack.gateway, "/v1/chat/completions", body)
+}
+
+fn long_history(seed: usize) -> Value {
+    let text: String = (0..600)
+        .map(|i| format!("w{} ", (i * 7919 + seed) % 4999))
+        .collect();
+    json!([{"role": "system", "content": "You are an agent."}, {"role": "user", "content": text}])
+}
+
+fn cached(reply: &Reply) -> u64 {
+    reply
+        .json()
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_continuation_is_pinned_to_the_warm_replica() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    for seed in 0..4 {
+        let history = long_history(seed);
+        let first = chat(
+            &stack,
+            &json!({"messages": history, "max_tokens": 16, "cache_salt": format!("s{seed}")}),
+        );
+        assert_eq!(first.status, 200, "{}", first.body);
+        let warm = first.header("x-kvaffine-endpoint").map(str::to_owned);
+        let mut messages = history.as_array().unwrap().clone();
+        messages.push(first.json()["choices"][0]["message"].clone());
+        messages.push(json!({"role": "user", "content": "continue"}));
+        let body = json!({"messages": messages, "max_tokens": 8, "cache_salt": format!("s{seed}")});
+        // Events reach the daemon asynchronously; the booking made by the first turn
+        // already points the continuation at the same replica.
+        let second = chat(&stack, &body);
+        assert_eq!(second.status, 200, "{}", second.body);
+        assert_eq!(
+            second.header("x-kvaffine-reason"),
+            Some("prefix"),
+            "{:?}",
+            second.headers
+        );
+        assert_eq!(
+            second.header("x-kvaffine-endpoint").map(str::to_owned),
+            warm
+        );
+        let prompt = second.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(
+            cached(&second) * 10 >= prompt * 8,
+            "{} of {prompt} cached",
+            cached(&second)
+        );
+    }
+    assert!(stack.stat("wasmcustom.kvaffine.routed.prefix") >= 4.0);
+}
+
+#[test]
+fn gets_pass_through_and_spoofed_destinations_never_leave_the_pool() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    let models = send(&stack.gateway, "GET", "/v1/models", &[], b"");
+    assert_eq!(models.status, 200);
+    assert_eq!(models.header("x-kvaffine-reason"), Some("passthrough"));
+    let spoofed = [
+        ("x-gateway-destination-endpoint", "169.254.169.254:80"),
+        ("content-type", "application/json"),
+    ];
+    for path in ["/v1/models", "/v1/chat/completions"] {
+        let method = if path == "/v1/models" { "GET" } else { "POST" };
+        let body = if method == "POST" {
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string()
+        } else {
+            String::new()
+        };
+        let reply = send(&stack.gateway, method, path, &spoofed, body.as_bytes());
+        assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+    }
+    // A spoofed destination that is a pool member is stripped too: were it honoured, every
+    // request would land on it; stripped, least-request spreads them.
+    let target = stack.replicas[1].http.clone();
+    let served: std::collections::HashSet<String> = (0..24)
+        .map(|_| {
+            let reply = send(
+                &stack.gateway,
+                "GET",
+                "/v1/models",
+                &[("x-gateway-destination-endpoint", &target)],
+                b"",
+            );
+            assert_eq!(reply.status, 200);
+            reply.header("x-served-by").unwrap_or("").to_owned()
+        })
+        .collect();
+    assert_eq!(served.len(), 2, "{served:?}");
+}
+
+#[test]
+fn routing_failures_never_fail_requests() {
+    let mut stack = Stack::start(StackConfig::default()).unwrap();
+    let body = json!({"messages": long_history(7), "max_tokens": 4});
+    assert_eq!(chat(&stack, &body).status, 200);
+    stack.kill_daemon();
+    let reply = chat(&stack, &body);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-kvaffine-reason"), Some("index-unavailable"));
+    // Malformed JSON is forwarded unchanged; the replica answers it.
+    let garbage = send(
+        &stack.gateway,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        b"{not json",
+    );
+    assert_eq!(garbage.status, 400);
+    assert_eq!(garbage.header("x-kvaffine-reason"), Some("unparsed-body"));
+    assert!(
+        garbage.body.contains("invalid JSON body"),
+        "{}",
+        garbage.body
+    );
+}
+
+#[test]
+fn a_dead_tokenizer_falls_back_to_approximate_routing() {
+    let stack = Stack::start(StackConfig {
+        filter: json!({"tokenizer_cluster": "kvaffined"}),
+        ..StackConfig::default()
+    })
+    .unwrap();
+    // "kvaffined" answers /tokenize with 404: the filter falls back, the request succeeds.
+    let reply = chat(
+        &stack,
+        &json!({"messages": long_history(8), "max_tokens": 4}),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-kvaffine-mode"), Some("approximate"));
+    assert!(stack.stat("wasmcustom.kvaffine.unpinned.tokenize-failed") >= 1.0);
+}
+
+#[test]
+fn big_and_chunked_requests_are_routed_and_sse_streams() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    // A 10 MB body: buffered, parsed, forwarded intact.
+    let big = "x".repeat(10 * 1024 * 1024);
+    let body = json!({"messages": [{"role": "user", "content": big}], "max_tokens": 2});
+    let reply = chat(&stack, &body);
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        &reply.body[..reply.body.len().min(300)]
+    );
+    assert!(reply.json()["usage"]["prompt_tokens"].as_u64().unwrap() > 5);
+    // Chunked upload.
+    let payload = json!({"messages": long_history(9), "max_tokens": 2}).to_string();
+    let mut request = String::from(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+    );
+    for chunk in payload.as_bytes().chunks(1000) {
+        request.push_str(&format!(
+            "{:x}\r\n{}\r\n",
+            chunk.len(),
+            String::from_utf8_lossy(chunk)
+        ));
+    }
+    request.push_str("0\r\n\r\n");
+    let chunked = send_raw(&stack.gateway, request.as_bytes());
+    assert_eq!(chunked.status, 200, "{}", chunked.body);
+    assert!(chunked.header("x-kvaffine-endpoint").is_some());
+    // SSE streams through.
+    let sse = chat(
+        &stack,
+        &json!({"messages": long_history(10), "max_tokens": 6, "stream": true}),
+    );
+    assert_eq!(sse.status, 200);
+    assert!(
+        sse.header("content-type")
+            .unwrap_or("")
+            .starts_with("text/event-stream")
+    );
+    assert!(sse.body.contains("data: [DONE]"));
+}
+
+#[test]
+fn per_route_disable_and_modes() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    let body = json!({"messages": long_history(11), "max_tokens": 2}).to_string();
+    let direct = send(
+        &stack.gateway,
+        "POST",
+        "/direct/v1/chat/completions",
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+    );
+    assert_eq!(direct.status, 200);
+    assert_eq!(
+        direct.header("x-kvaffine-reason"),
+        None,
+        "the filter is off on /direct/"
+    );
+    let approx = send(
+        &stack.gateway,
+        "POST",
+        "/approximate/v1/chat/completions",
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+    );
+    assert_eq!(approx.status, 200);
+    assert_eq!(approx.header("x-kvaffine-mode"), Some("approximate"));
+    let load = send(
+        &stack.gateway,
+        "POST",
+        "/load-only/v1/chat/completions",
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+    );
+    assert_eq!(load.status, 200);
+    assert_eq!(load.header("x-kvaffine-mode"), Some("load"));
+}
+
+#[test]
+fn hot_reloading_the_filter_under_traffic_fails_no_request() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    let gateway = stack.gateway.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let traffic = {
+        let (stop, sent) = (stop.clone(), sent.clone());
+        std::thread::spawn(move || {
+            let mut statuses = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let n = sent.load(Ordering::Relaxed);
+                let body = json!({"messages": long_history(n % 5), "max_tokens": 2}).to_string();
+                statuses.push(
+                    send(
+                        &gateway,
+                        "POST",
+                        "/v1/chat/completions",
+                        &[("content-type", "application/json")],
+                        body.as_bytes(),
+                    )
+                    .status,
+                );
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+            statuses
+        })
+    };
+    poll("traffic before the reload", Duration::from_secs(20), || {
+        sent.load(Ordering::Relaxed) >= 10
+    })
+    .unwrap();
+    let reloads_before =
+        stack.stat("extension_config_discovery.http_filter.kvaffine.config_reload");
+    stack
+        .reload_filter(&json!({"mode": "approximate"}))
+        .unwrap();
+    poll("the reload", Duration::from_secs(20), || {
+        stack.stat("extension_config_discovery.http_filter.kvaffine.config_reload") > reloads_before
+    })
+    .unwrap();
+    poll(
+        "the new configuration in use",
+        Duration::from_secs(20),
+        || {
+            chat(
+                &stack,
+                &json!({"messages": long_history(1), "max_tokens": 2}),
+            )
+            .header("x-kvaffine-mode")
+                == Some("approximate")
+        },
+    )
+    .unwrap();
+    let after = sent.load(Ordering::Relaxed) + 10;
+    poll("traffic after the reload", Duration::from_secs(20), || {
+        sent.load(Ordering::Relaxed) >= after
+    })
+    .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let statuses = traffic.join().unwrap();
+    assert!(statuses.len() >= 20);
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+}
+
+#[test]
+fn http2_requests_are_routed() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (status, reason) = runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .http2_prior_knowledge()
+            .no_proxy()
+            .build()
+            .unwrap();
+        let response = client
+            .post(format!("http://{}/v1/chat/completions", stack.gateway))
+            .header("content-type", "application/json")
+            .body(json!({"messages": long_history(12), "max_tokens": 2}).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.version(), reqwest::Version::HTTP_2);
+        let reason = response
+            .headers()
+            .get("x-kvaffine-reason")
+            .map(|v| v.to_str().unwrap_or("").to_owned());
+        (response.status().as_u16(), reason)
+    });
+    assert_eq!(status, 200);
+    assert!(
+        matches!(reason.as_deref(), Some("prefix" | "load")),
+        "{reason:?}"
+    );
+}

@@ -7,7 +7,9 @@
 //! big-endian `u64`, the [`BlockKey`]. Every rule here is pinned by the golden vectors in
 //! `../shared/vectors/block_hashes.json` (see `core/tests/vectors.rs`).
 
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::str::FromStr;
 
 use sha2::{Digest as _, Sha256};
@@ -374,6 +376,18 @@ impl KeyChain {
 
     /// Appends tokens and keys every block they complete.
     pub fn extend(&mut self, tokens: &[u32]) {
+        self.extend_with(tokens, &mut None);
+    }
+
+    /// As [`Self::extend`], reusing digests of blocks seen before: a conversation's next
+    /// turn hashes only its new blocks. The cache is keyed by a keyed XXH3-128 of the whole
+    /// preimage (parent, tokens, extra keys), so only an identical block can hit.
+    pub fn extend_cached(&mut self, tokens: &[u32], cache: &mut DigestCache) {
+        let mut cache = Some(cache);
+        self.extend_with(tokens, &mut cache);
+    }
+
+    fn extend_with(&mut self, tokens: &[u32], cache: &mut Option<&mut DigestCache>) {
         self.digests
             .reserve((self.pending.len() + tokens.len()) / self.block_size);
         let mut rest = tokens;
@@ -384,7 +398,7 @@ impl KeyChain {
             rest = after;
             if self.pending.len() == self.block_size {
                 let block = std::mem::take(&mut self.pending);
-                self.push_block(&block);
+                self.push_block(&block, cache);
                 self.pending = block;
                 self.pending.clear();
             }
@@ -392,12 +406,12 @@ impl KeyChain {
         let blocks = rest.chunks_exact(self.block_size);
         let tail = blocks.remainder();
         for block in blocks {
-            self.push_block(block);
+            self.push_block(block, cache);
         }
         self.pending.extend_from_slice(tail);
     }
 
-    fn push_block(&mut self, tokens: &[u32]) {
+    fn push_block(&mut self, tokens: &[u32], cache: &mut Option<&mut DigestCache>) {
         let scratch = &mut self.scratch;
         scratch.clear();
         cbor::write_array_head(scratch, 3);
@@ -412,7 +426,20 @@ impl KeyChain {
             &self.rest_extras
         };
         scratch.extend_from_slice(extras);
-        let digest = self.algo.hash(scratch);
+        let digest = match cache {
+            Some(cache) => {
+                let fingerprint = cache.fingerprint(self.algo, scratch);
+                match cache.get(fingerprint) {
+                    Some(digest) => digest,
+                    None => {
+                        let digest = self.algo.hash(scratch);
+                        cache.insert(fingerprint, digest);
+                        digest
+                    }
+                }
+            }
+            None => self.algo.hash(scratch),
+        };
         debug_assert_eq!(digest.as_bytes().len(), self.algo.digest_len());
         self.digests.push(digest);
         self.parent = digest;
@@ -437,6 +464,85 @@ impl KeyChain {
     /// Gives up the digests without copying them.
     pub fn into_digests(self) -> Vec<Digest> {
         self.digests
+    }
+}
+
+/// A hasher for keys that are already uniform random bits (fingerprints).
+#[derive(Default)]
+struct FingerprintHasher(u64);
+
+impl Hasher for FingerprintHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8) | u64::from(*b);
+        }
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        self.0 = value as u64;
+    }
+}
+
+type Fingerprints = HashMap<u128, Digest, BuildHasherDefault<FingerprintHasher>>;
+
+/// Recently computed block digests, bounded: two generations of at most `capacity / 2`
+/// entries each; when the newer fills, the older is dropped. Hits move to the newer.
+///
+/// A conversation resends its whole history every turn; with this cache only the blocks
+/// the new turn adds are hashed with SHA-256 (figures in docs/benchmarks/filter.md).
+#[derive(Debug)]
+pub struct DigestCache {
+    current: Fingerprints,
+    previous: Fingerprints,
+    capacity: usize,
+    secret: u64,
+}
+
+impl DigestCache {
+    /// A cache of about `capacity` digests. `secret` keys the fingerprints, so nobody who
+    /// does not know it can craft a block that collides with another's.
+    pub fn new(capacity: usize, secret: u64) -> Self {
+        Self {
+            current: Fingerprints::default(),
+            previous: Fingerprints::default(),
+            capacity: capacity.max(2),
+            secret,
+        }
+    }
+
+    fn fingerprint(&self, algo: HashAlgo, preimage: &[u8]) -> u128 {
+        let seed = self.secret ^ (algo as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        xxhash_rust::xxh3::xxh3_128_with_seed(preimage, seed)
+    }
+
+    fn get(&mut self, fingerprint: u128) -> Option<Digest> {
+        if let Some(digest) = self.current.get(&fingerprint) {
+            return Some(*digest);
+        }
+        let digest = self.previous.remove(&fingerprint)?;
+        self.insert(fingerprint, digest);
+        Some(digest)
+    }
+
+    fn insert(&mut self, fingerprint: u128, digest: Digest) {
+        if self.current.len() >= self.capacity / 2 {
+            self.previous = std::mem::take(&mut self.current);
+        }
+        self.current.insert(fingerprint, digest);
+    }
+
+    /// Digests held.
+    pub fn len(&self) -> usize {
+        self.current.len() + self.previous.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -506,6 +612,32 @@ mod tests {
             assert_eq!(chain.digests(), whole.as_slice(), "split at {split}");
             assert_eq!(chain.pending_tokens(), 3);
         }
+    }
+
+    #[test]
+    fn cached_keys_equal_uncached_keys_and_stay_bounded() {
+        let config = sha();
+        let mut cache = DigestCache::new(8, 42);
+        for salt in ["a", "b", "a"] {
+            let extras = KeyExtras {
+                cache_salt: Some(CacheSalt::parse(salt).unwrap()),
+                ..KeyExtras::default()
+            };
+            for len in [5usize, 16, 29] {
+                let tokens: Vec<u32> = (0..len as u32).map(|t| t * 31).collect();
+                let mut chain = config.chain(&extras);
+                chain.extend_cached(&tokens, &mut cache);
+                assert_eq!(chain.digests(), config.digests(&extras, &tokens).as_slice());
+                assert!(cache.len() <= 8);
+            }
+        }
+        let xx = KeyConfig::new(HashAlgo::XxhashCbor, 4, Some("0"), VllmCompat::V0_31).unwrap();
+        let mut chain = xx.chain(&KeyExtras::default());
+        chain.extend_cached(&[1, 2, 3, 4], &mut cache);
+        assert_eq!(
+            chain.digests(),
+            xx.digests(&KeyExtras::default(), &[1, 2, 3, 4]).as_slice()
+        );
     }
 
     #[test]

@@ -31,8 +31,8 @@ pub mod route;
 pub mod salt;
 
 pub use keys::{
-    BlockKey, DEFAULT_NONE_HASH_SEED, Digest, HashAlgo, KeyChain, KeyConfig, KeyConfigError,
-    KeyExtras, LoraAdapter, MAX_DIGEST_LEN, VllmCompat,
+    BlockKey, DEFAULT_NONE_HASH_SEED, Digest, DigestCache, HashAlgo, KeyChain, KeyConfig,
+    KeyConfigError, KeyExtras, LoraAdapter, MAX_DIGEST_LEN, VllmCompat,
 };
 pub use pick::{Candidate, Load, PickPolicy, PickReason};
 pub use salt::{CacheSalt, CacheSaltError, MAX_CACHE_SALT_CHARS};

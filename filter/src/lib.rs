@@ -11,9 +11,11 @@
 
 mod stats;
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
+use kvaffine_core::DigestCache;
 use kvaffine_core::route::{self, Action as Step, Api, Host, Mode, Plan, Router};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -40,10 +42,15 @@ const MODE_HEADER: &str = "x-kvaffine-mode";
 /// Route metadata namespace for per-route settings (`mode`).
 const METADATA_NAMESPACE: &str = "kvaffine";
 
+/// Block digests remembered per VM: about 64 k blocks (3 MB), enough for the recent
+/// conversations of one worker.
+const DIGEST_CACHE_BLOCKS: usize = 65_536;
+
 #[derive(Default)]
 struct Root {
     router: Option<Rc<Router>>,
     stats: Option<Rc<Stats>>,
+    digests: Option<Rc<RefCell<DigestCache>>>,
 }
 
 impl Context for Root {}
@@ -61,6 +68,15 @@ impl RootContext for Root {
             Ok(router) => {
                 self.router = Some(Rc::new(router));
                 self.stats = Some(Rc::new(Stats::define()));
+                // The fingerprint key only has to be unknown to clients; the VM's start
+                // time in nanoseconds is.
+                let secret = now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64);
+                self.digests = Some(Rc::new(RefCell::new(DigestCache::new(
+                    DIGEST_CACHE_BLOCKS,
+                    secret,
+                ))));
                 true
             }
             Err(err) => {
@@ -75,6 +91,7 @@ impl RootContext for Root {
         Some(Box::new(Request {
             router,
             stats,
+            digests: self.digests.clone()?,
             phase: Phase::Idle,
             started: None,
             mode: Mode::Precise,
@@ -93,10 +110,12 @@ enum Phase {
     Idle,
     /// Headers held, body arriving.
     Buffering(Api),
-    /// Waiting for the tokenizer.
+    /// Waiting for the tokenizer (the body is kept for the approximate fallback).
     Tokenizing {
         token: u32,
+        api: Api,
         plan: Plan,
+        body: Vec<u8>,
         since: SystemTime,
     },
     /// Waiting for the index.
@@ -114,6 +133,7 @@ struct Decision {
 struct Request {
     router: Rc<Router>,
     stats: Rc<Stats>,
+    digests: Rc<RefCell<DigestCache>>,
     phase: Phase,
     started: Option<SystemTime>,
     mode: Mode,
@@ -238,7 +258,7 @@ impl Request {
     }
 
     /// Carries out a plan's next step; true if the request stays paused.
-    fn step(&mut self, plan: Plan) -> bool {
+    fn step(&mut self, api: Api, plan: Plan, body: Vec<u8>) -> bool {
         match plan.action.clone() {
             Step::Skip(skip) => {
                 self.unpinned(Outcome::Skipped(skip.reason()), mode_name(self.mode));
@@ -247,39 +267,35 @@ impl Request {
             Step::LoadOnly => self.lookup(&[], false),
             Step::Lookup(keys) => self.lookup(&keys, false),
             Step::Approximate(keys) => self.lookup(&keys, true),
-            Step::Tokenize { path, body } => {
+            Step::Tokenize { path, body: call } => {
                 let config = self.config();
                 let authority = config
                     .tokenizer_authority
                     .clone()
                     .unwrap_or_else(|| config.tokenizer_cluster.clone());
-                match self.callout(&config.tokenizer_cluster, &authority, path, &body) {
+                match self.callout(&config.tokenizer_cluster, &authority, path, &call) {
                     Some(token) => {
                         self.phase = Phase::Tokenizing {
                             token,
+                            api,
                             plan,
+                            body,
                             since: now(),
                         };
                         true
                     }
-                    None => self.approximate_fallback(&plan),
+                    None => self.approximate_fallback(api, &plan, &body),
                 }
             }
         }
     }
 
     /// Tokenizing failed: route on text-derived keys rather than not at all.
-    fn approximate_fallback(&mut self, plan: &Plan) -> bool {
+    fn approximate_fallback(&mut self, api: Api, plan: &Plan, body: &[u8]) -> bool {
         self.stats.count(Outcome::TokenizeFailed);
-        match &plan.text {
-            Some(text) => {
+        match route::approximate_fallback(&self.router, api, body, plan) {
+            Some(keys) => {
                 self.mode = Mode::Approximate;
-                let keys = route::approximate_keys(
-                    &self.router,
-                    plan.model.as_deref(),
-                    &plan.extras,
-                    text,
-                );
                 self.lookup(&keys, true)
             }
             None => {
@@ -308,15 +324,18 @@ impl Request {
         true
     }
 
-    fn on_tokenized(&mut self, plan: Plan, since: SystemTime) -> bool {
+    fn on_tokenized(&mut self, api: Api, plan: Plan, body: Vec<u8>, since: SystemTime) -> bool {
         self.stats.tokenize_latency(elapsed_us(since));
         let ok = call_status() == Some(200);
-        let keys = call_body()
-            .filter(|_| ok)
-            .and_then(|body| route::keys_from_tokenize(&self.router, &plan.extras, &body).ok());
+        let keys = call_body().filter(|_| ok).and_then(|answer| {
+            // The VM is single-threaded; a busy cache (never expected) just means no reuse.
+            let mut cache = self.digests.try_borrow_mut().ok();
+            route::keys_from_tokenize(&self.router, &plan.extras, &answer, cache.as_deref_mut())
+                .ok()
+        });
         match keys {
             Some(keys) => self.lookup(&keys, false),
-            None => self.approximate_fallback(&plan),
+            None => self.approximate_fallback(api, &plan, &body),
         }
     }
 
@@ -365,8 +384,14 @@ impl Context for Request {
         _trailers: usize,
     ) {
         match std::mem::replace(&mut self.phase, Phase::Idle) {
-            Phase::Tokenizing { token, plan, since } if token == token_id => {
-                if self.on_tokenized(plan, since) {
+            Phase::Tokenizing {
+                token,
+                api,
+                plan,
+                body,
+                since,
+            } if token == token_id => {
+                if self.on_tokenized(api, plan, body, since) {
                     return;
                 }
             }
@@ -440,7 +465,7 @@ impl HttpContext for Request {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(model));
         }
         self.model = plan.model.clone();
-        if self.step(plan) {
+        if self.step(api, plan, body) {
             return Action::Pause;
         }
         self.started = None;

@@ -146,6 +146,67 @@ pub fn daemon() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The reference two-replica measurement -> `docs/benchmarks/seed/`.
+pub fn seed() -> anyhow::Result<()> {
+    let out = sh::root().join("docs/benchmarks/seed");
+    let summary = stack_bench(&["seed", &out.display().to_string()])?;
+    println!("{summary}");
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// Runs `bench <args>` from `tests/e2e` against release builds of the stack.
+fn stack_bench(args: &[&str]) -> anyhow::Result<String> {
+    sh::ensure_wasm_target()?;
+    sh::ensure_envoy()?;
+    sh::build_filter()?;
+    sh::cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "kvaffined",
+        "-p",
+        "vllm-emu",
+        "-p",
+        "kvaffine-e2e",
+        "--bins",
+    ])?;
+    let output = Command::new(sh::root().join("target/release/bench"))
+        .args(args)
+        .env("KVAFFINE_MACHINE", machine())
+        .current_dir(sh::root())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("cannot run the stack benchmark")?;
+    if !output.status.success() {
+        anyhow::bail!("bench {} failed: {}", args.join(" "), output.status);
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// Latency and CPU the filter adds in Envoy -> `docs/benchmarks/filter.md`.
+pub fn filter() -> anyhow::Result<()> {
+    let table = stack_bench(&["filter"])?;
+    let mut md = String::new();
+    writeln!(md, "# What the filter adds\n")?;
+    writeln!(
+        md,
+        "Command: `cargo xtask bench filter` (release builds; Envoy {} with `--concurrency 2`; two vllm-emu replicas at time scale 0, so the replicas answer at once and only the routing path differs).",
+        sh::ENVOY_VERSION
+    )?;
+    writeln!(md, "Machine: {}.\n", machine())?;
+    writeln!(
+        md,
+        "Each row sends the same chat requests through one Envoy twice, interleaved round by round: `/direct/` (the filter disabled on that route, round robin) and `/` (the filter: buffer, `/tokenize` callout, keys, lookup callout, pin). Client, Envoy, replicas and kvaffined share the machine's 2 cores.\n"
+    )?;
+    md.push_str(&table);
+    md.push_str("\n\n");
+    md.push_str(include_str!("bench_filter_notes.md"));
+    write(&sh::root().join("docs/benchmarks/filter.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;

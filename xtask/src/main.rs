@@ -15,7 +15,9 @@ commands:
                 the same stack in the foreground (gateway on 127.0.0.1:P, default 8080)
   test          every check CI runs: fmt, clippy (native and wasm32), all tests
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
-  bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md";
+  bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
+  bench filter  latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
+  bench seed    the published two-replica measurement, reproduced -> docs/benchmarks/seed/";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -26,6 +28,8 @@ fn main() -> anyhow::Result<()> {
         ["test"] => test(),
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
+        ["bench", "filter"] => bench::filter(),
+        ["bench", "seed"] => bench::seed(),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())

@@ -5,7 +5,10 @@
 //! Needs the filter built (`target/wasm32-wasip1/wasm/kvaffine_filter.wasm`) and Envoy
 //! installed; `cargo xtask test` prepares both.
 
+pub mod chart;
 pub mod client;
+pub mod load;
+pub mod seed;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -307,6 +310,11 @@ impl Stack {
             let _ = daemon.kill();
             let _ = daemon.wait();
         }
+    }
+
+    /// Envoy's process id (for CPU accounting).
+    pub fn envoy_pid(&self) -> Option<u32> {
+        self.envoy.as_ref().map(Child::id)
     }
 
     /// Where the stack keeps its configs and Envoy's log.

@@ -862,6 +862,29 @@ mod tests {
     }
 
     #[test]
+    fn a_model_named_in_loras_keys_with_its_adapter() {
+        let r = router(r#","loras":{"sql":"/adapters/sql"}"#);
+        let body = br#"{"model":"sql","prompt":[1,2,3,4,5,6,7,8]}"#;
+        let with_lora = plan(&r, Api::Completions, Mode::Precise, body);
+        let lora = with_lora.extras.lora.clone().unwrap();
+        assert_eq!(
+            (lora.name.as_str(), lora.path.as_str()),
+            ("sql", "/adapters/sql")
+        );
+        let base = plan(
+            &r,
+            Api::Completions,
+            Mode::Precise,
+            br#"{"model":"base","prompt":[1,2,3,4,5,6,7,8]}"#,
+        );
+        assert_eq!(base.extras.lora, None);
+        assert_ne!(
+            with_lora.action, base.action,
+            "adapters never share keys with the base model"
+        );
+    }
+
+    #[test]
     fn token_id_prompts_need_no_tokenizer_and_salts_change_their_keys() {
         let r = router("");
         let plain = plan(

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kvaffined::{config, keys_cmd, serve};
+use kvaffined::{check_cmd, config, keys_cmd, serve};
 
 /// Command line of `kvaffined`.
 #[derive(Parser)]
@@ -22,6 +22,8 @@ enum Command {
     Keys(keys_cmd::KeysArgs),
     /// Follow replicas' KV events and answer lookups.
     Serve(config::ServeArgs),
+    /// Check one vLLM replica's settings: can kvaffine compute its keys?
+    Check(check_cmd::CheckArgs),
 }
 
 /// Exit code for input a command cannot use (the same code clap uses for bad flags).
@@ -51,6 +53,7 @@ fn main() -> ExitCode {
             EXIT_BAD_INPUT,
         ),
         Command::Serve(args) => (serve(args), EXIT_FAILURE),
+        Command::Check(args) => (check_cmd::run(&args), EXIT_BAD_INPUT),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -157,6 +157,28 @@ pub fn poll(
     Ok(())
 }
 
+fn spawn_daemon(
+    config: &StackConfig,
+    replicas: &[EmuProcess],
+    listen: &str,
+) -> anyhow::Result<(Child, String)> {
+    let block = config.block_size.to_string();
+    let mut args: Vec<String> = ["serve", "--listen", listen, "--block-size", &block]
+        .map(str::to_owned)
+        .to_vec();
+    for replica in replicas {
+        args.extend(["--endpoint".to_owned(), replica.endpoint_flag()]);
+    }
+    args.extend(config.daemon_args.iter().cloned());
+    let (daemon, line) = spawn_announcing(&binary("kvaffined"), &args, !config.verbose);
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .with_context(|| format!("kvaffined did not start: {line:?}"))?
+        .to_owned();
+    Ok((daemon, addr))
+}
+
 impl Stack {
     /// Starts replicas, the daemon and Envoy, and waits until a request can be routed.
     pub fn start(config: StackConfig) -> anyhow::Result<Self> {
@@ -175,20 +197,7 @@ impl Stack {
         let replicas: Vec<EmuProcess> = (0..config.replicas)
             .map(|_| EmuProcess::start(&replica_args))
             .collect();
-        let mut daemon_args: Vec<String> =
-            ["serve", "--listen", "127.0.0.1:0", "--block-size", &block]
-                .map(str::to_owned)
-                .to_vec();
-        for replica in &replicas {
-            daemon_args.extend(["--endpoint".to_owned(), replica.endpoint_flag()]);
-        }
-        daemon_args.extend(config.daemon_args.iter().cloned());
-        let (daemon, line) = spawn_announcing(&binary("kvaffined"), &daemon_args, !config.verbose);
-        let daemon_addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .with_context(|| format!("kvaffined did not start: {line:?}"))?
-            .to_owned();
+        let (daemon, daemon_addr) = spawn_daemon(&config, &replicas, "127.0.0.1:0")?;
         let mut stack = Self {
             replicas,
             daemon: Some(daemon),
@@ -310,6 +319,28 @@ impl Stack {
             let _ = daemon.kill();
             let _ = daemon.wait();
         }
+    }
+
+    /// Starts the daemon again on its old address (it rebuilds its index by replay).
+    pub fn restart_daemon(&mut self) -> anyhow::Result<()> {
+        self.kill_daemon();
+        let (daemon, addr) = spawn_daemon(&self.config, &self.replicas, &self.daemon_addr)?;
+        self.daemon = Some(daemon);
+        self.daemon_addr = addr;
+        Ok(())
+    }
+
+    /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the daemon: a daemon too slow to answer.
+    pub fn freeze_daemon(&self, frozen: bool) -> anyhow::Result<()> {
+        let pid = self.daemon.as_ref().map(Child::id).context("no daemon")?;
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill {signal} {pid} failed");
+        }
+        Ok(())
     }
 
     /// Envoy's process id (for CPU accounting).

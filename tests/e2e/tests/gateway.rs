@@ -329,3 +329,74 @@ fn http2_requests_are_routed() {
         "{reason:?}"
     );
 }
+
+#[test]
+fn responses_are_routed_by_conversion_and_by_render() {
+    for mode in ["convert", "render"] {
+        let stack = Stack::start(StackConfig {
+            filter: json!({"responses_tokenize": mode}),
+            ..StackConfig::default()
+        })
+        .unwrap();
+        let text: String = (0..400).map(|i| format!("r{i} ")).collect();
+        let body = json!({"instructions": "be brief", "input": text, "max_output_tokens": 8, "cache_salt": "resp"});
+        let first = post_json(&stack.gateway, "/v1/responses", &body);
+        assert_eq!(first.status, 200, "{mode}: {}", first.body);
+        let second = post_json(&stack.gateway, "/v1/responses", &body);
+        assert_eq!(
+            second.header("x-kvaffine-reason"),
+            Some("prefix"),
+            "{mode}: {:?}",
+            second.headers
+        );
+        assert_eq!(
+            second.header("x-kvaffine-endpoint"),
+            first.header("x-kvaffine-endpoint")
+        );
+        assert!(
+            second.json()["usage"]["input_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                > 300,
+            "{mode}: {}",
+            second.body
+        );
+    }
+}
+
+#[test]
+fn sse_responses_stream_through_unbuffered() {
+    // 40 output tokens at 8 ms each: the first event must arrive long before the last.
+    let stack = Stack::start(StackConfig {
+        replica_args: vec!["--time-scale".into(), "1".into()],
+        ..StackConfig::default()
+    })
+    .unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (first, last) = runtime.block_on(async {
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let start = std::time::Instant::now();
+        let mut response = client
+            .post(format!("http://{}/v1/chat/completions", stack.gateway))
+            .header("content-type", "application/json")
+            .body(json!({"messages": [{"role": "user", "content": "stream please"}], "max_tokens": 40, "stream": true}).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.headers().get("x-kvaffine-reason").and_then(|v| v.to_str().ok()), Some("load"));
+        let mut first = None;
+        while let Some(chunk) = response.chunk().await.unwrap() {
+            if first.is_none() && !chunk.is_empty() {
+                first = Some(start.elapsed());
+            }
+        }
+        (first.unwrap(), start.elapsed())
+    });
+    assert!(
+        first * 3 < last,
+        "first chunk after {first:?}, stream done after {last:?}"
+    );
+}

@@ -124,6 +124,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/responses/render", post(responses_render))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
@@ -664,6 +665,38 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
     }
     let cached = run(&app, &prompt, &extras, &output, |_| {}, |_| {}).await?;
     Ok(axum::Json(finish(cached)).into_response())
+}
+
+/// `POST /v1/responses/render` (vLLM with `--enable-scale-out`): the token ids a Responses
+/// request would be prefilled with, as a `GenerateRequest`.
+async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    let body = parse(&body)?;
+    extras(&app, &body)?;
+    if body
+        .get("previous_response_id")
+        .is_some_and(|v| !v.is_null())
+    {
+        return Err(ApiError::bad(
+            "previous_response_id is not supported by the render endpoint",
+        ));
+    }
+    let input = responses_chat_input(&body, &[]).map_err(|e| ApiError::bad(e.to_string()))?;
+    let text = render_chat(
+        &input.messages,
+        input.tools.as_deref(),
+        true,
+        false,
+        &input.chat_template_kwargs,
+    )?;
+    let tokens = tokenizer::token_ids(&text);
+    Ok(axum::Json(json!({
+        "request_id": app.id("render"),
+        "token_ids": tokens,
+        "features": null,
+        "sampling_params": {"max_tokens": body.get("max_output_tokens")},
+        "cache_salt": body.get("cache_salt"),
+    }))
+    .into_response())
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {

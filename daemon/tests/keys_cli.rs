@@ -163,3 +163,48 @@ fn bad_input_exits_2_with_one_line() {
         assert!(stderr.contains(why), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn random_stdin_gets_keys_or_exit_2_never_a_crash() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let pieces = [
+        "[",
+        "]",
+        ",",
+        "1",
+        "-1",
+        "4294967296",
+        "1.5",
+        "\"x\"",
+        "null",
+        "{}",
+        " ",
+        "99",
+        "\u{0}",
+        "\u{ff}",
+    ];
+    for _ in 0..200 {
+        let input: String = (0..next() % 12)
+            .map(|_| pieces[(next() as usize) % pieces.len()])
+            .collect();
+        let out = keys(&["--block-size", "2"], &input);
+        match out.status.code() {
+            Some(0) => {
+                let printed: Value = serde_json::from_slice(&out.stdout).unwrap();
+                assert!(printed["hashes"].is_array(), "{input:?}");
+            }
+            Some(2) => assert_eq!(
+                String::from_utf8_lossy(&out.stderr).lines().count(),
+                1,
+                "{input:?}"
+            ),
+            other => panic!("{input:?}: exit {other:?}"),
+        }
+    }
+}

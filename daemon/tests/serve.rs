@@ -427,3 +427,64 @@ fn a_killed_and_restarted_emulated_replica_is_purged() {
         "the crashed process's blocks are gone"
     );
 }
+
+#[test]
+fn random_lookup_bodies_get_answers_or_json_errors_never_a_crash() {
+    let daemon = DaemonProcess::start(&["--max-keys", "64"]);
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let valid = json!({"keys": [1, 2, 3], "model": "m", "book": {"ttl_ms": 5}}).to_string();
+    let mut statuses = std::collections::BTreeMap::new();
+    for round in 0..1500 {
+        let body: Vec<u8> = match round % 3 {
+            // Random bytes.
+            0 => (0..(next() % 200)).map(|_| next() as u8).collect(),
+            // A valid body with bytes flipped.
+            1 => {
+                let mut b = valid.clone().into_bytes();
+                for _ in 0..1 + next() % 4 {
+                    let at = (next() as usize) % b.len();
+                    b[at] = next() as u8;
+                }
+                b
+            }
+            // Valid JSON of the wrong shapes.
+            _ => {
+                let shapes = [
+                    json!({"keys": "x"}),
+                    json!({"keys": [-1]}),
+                    json!({"keys": [1.5]}),
+                    json!({"keys": [1], "book": 3}),
+                    json!({"keys": (0..65).collect::<Vec<u64>>()}),
+                    json!({"keys": [], "approximate": true, "book": {}}),
+                    json!([1, 2]),
+                    json!({"keys": [u64::MAX], "model": null}),
+                ];
+                shapes[(next() as usize) % shapes.len()]
+                    .to_string()
+                    .into_bytes()
+            }
+        };
+        let (status, _) = http(
+            &daemon.addr,
+            "POST",
+            "/v1/lookup",
+            &String::from_utf8_lossy(&body),
+        );
+        *statuses.entry(status).or_insert(0) += 1;
+    }
+    assert!(
+        statuses.keys().all(|s| [200, 400, 413].contains(s)),
+        "{statuses:?}"
+    );
+    assert_eq!(
+        daemon.lookup(&[1, 2, 3])["index"],
+        "complete",
+        "still serving"
+    );
+}

@@ -155,6 +155,52 @@ pub fn seed() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Faults, load and ingest under load -> `docs/reliability.md`.
+pub fn reliability() -> anyhow::Result<()> {
+    let load = stack_bench(&["load"])?;
+    let ingest = stack_bench(&["ingest"])?;
+    let faults = Command::new(sh::cargo_bin())
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "kvaffine-e2e",
+            "--test",
+            "faults",
+            "--",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .current_dir(sh::root())
+        .output()
+        .context("cannot run the fault tests")?;
+    let fault_text = String::from_utf8_lossy(&faults.stdout);
+    if !faults.status.success() {
+        anyhow::bail!("the fault tests failed:\n{fault_text}");
+    }
+    let recoveries: Vec<&str> = fault_text
+        .lines()
+        .filter(|l| l.contains("routing by prefix again"))
+        .collect();
+    let template = include_str!("reliability.md");
+    let md = template
+        .replace("{{MACHINE}}", &machine())
+        .replace(
+            "{{FAULTS}}",
+            &recoveries
+                .iter()
+                .map(|l| format!("* {l}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+        .replace("{{LOAD}}", &load)
+        .replace("{{INGEST}}", &ingest);
+    write(&sh::root().join("docs/reliability.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 /// Runs `bench <args>` from `tests/e2e` against release builds of the stack.
 fn stack_bench(args: &[&str]) -> anyhow::Result<String> {
     sh::ensure_wasm_target()?;

@@ -17,7 +17,11 @@ commands:
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
   bench filter  latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
-  bench seed    the published two-replica measurement, reproduced -> docs/benchmarks/seed/";
+  bench seed    the published two-replica measurement, reproduced -> docs/benchmarks/seed/
+  bench reliability
+                faults, 60 s of load, ingest under lookups -> docs/reliability.md
+  fuzz TARGET SECONDS
+                libFuzzer on a core/fuzz target (decode_batch, frames, plan)";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -30,12 +34,42 @@ fn main() -> anyhow::Result<()> {
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "filter"] => bench::filter(),
         ["bench", "seed"] => bench::seed(),
+        ["bench", "reliability"] => bench::reliability(),
+        ["fuzz", target, seconds] => fuzz(target, seconds),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             Ok(())
         }
         other => bail!("unknown command {other:?}\n\n{USAGE}"),
     }
+}
+
+/// Runs a libFuzzer target of `core/fuzz` for `seconds`. cargo-fuzz needs nightly flags;
+/// `RUSTC_BOOTSTRAP` lets the stable toolchain accept them for this run only.
+fn fuzz(target: &str, seconds: &str) -> anyhow::Result<()> {
+    let seconds: u64 = seconds
+        .parse()
+        .map_err(|_| anyhow::anyhow!("SECONDS must be a number"))?;
+    let installed = std::process::Command::new(sh::cargo_bin())
+        .args(["fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !installed {
+        sh::cargo(&["install", "--locked", "cargo-fuzz"])?;
+    }
+    sh::run(
+        std::process::Command::new(sh::cargo_bin())
+            .args([
+                "fuzz",
+                "run",
+                target,
+                "--",
+                &format!("-max_total_time={seconds}"),
+                "-max_len=4096",
+            ])
+            .current_dir(sh::root().join("core/fuzz"))
+            .env("RUSTC_BOOTSTRAP", "1"),
+    )
 }
 
 /// Everything CI checks, in the order that fails fastest.

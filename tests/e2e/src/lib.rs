@@ -343,6 +343,23 @@ impl Stack {
         Ok(())
     }
 
+    /// Every process of the stack with a name, for CPU accounting.
+    pub fn processes(&self) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        if let Some(pid) = self.envoy_pid() {
+            out.push(("envoy".to_owned(), pid));
+        }
+        if let Some(daemon) = &self.daemon {
+            out.push(("kvaffined".to_owned(), daemon.id()));
+        }
+        for (i, replica) in self.replicas.iter().enumerate() {
+            if let Some(pid) = replica.pid() {
+                out.push((format!("vllm-emu {i}"), pid));
+            }
+        }
+        out
+    }
+
     /// Envoy's process id (for CPU accounting).
     pub fn envoy_pid(&self) -> Option<u32> {
         self.envoy.as_ref().map(Child::id)

@@ -173,6 +173,11 @@ impl EmuProcess {
         self.child = Some(child);
     }
 
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Kills the process, as a crash would.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

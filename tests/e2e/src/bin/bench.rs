@@ -16,7 +16,9 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("filter") => filter(),
         Some("seed") => seed(args.get(1).context("usage: bench seed OUT_DIR")?),
-        _ => bail!("usage: bench filter | bench seed OUT_DIR"),
+        Some("load") => load(),
+        Some("ingest") => ingest(),
+        _ => bail!("usage: bench filter | load | ingest | seed OUT_DIR"),
     }
 }
 
@@ -220,5 +222,259 @@ fn seed(out: &str) -> anyhow::Result<()> {
             profile.name, s.warm_returns, s.pairs, s.mean_hit_pct, s.mean_latency_ms, s.ci95_ms
         );
     }
+    Ok(())
+}
+
+/// `bench load`: the whole stack at the highest rate a closed loop reaches, for 60 s, with
+/// ~8k-token chat requests, every one a prompt never seen before.
+fn load() -> anyhow::Result<()> {
+    let stack = Stack::start(StackConfig {
+        block_size: 64,
+        replica_args: vec![
+            "--time-scale".into(),
+            "0".into(),
+            "--num-gpu-blocks".into(),
+            "65536".into(),
+        ],
+        ..StackConfig::default()
+    })?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(64)
+        .build()?;
+    let url = format!("http://{}/v1/chat/completions", stack.gateway);
+    let template = chat_body(36 * 1024, "SALTXXXXXXXX")
+        .to_string()
+        .into_bytes();
+    // Warm up, then find the concurrency past which throughput stops growing.
+    runtime.block_on(closed_loop(
+        &client,
+        &url,
+        fresh_salts(template.clone(), 9999),
+        50,
+        4,
+    ));
+    let mut best = (0usize, 0.0f64);
+    for concurrency in [1usize, 2, 4, 8, 16] {
+        let start = std::time::Instant::now();
+        let (lat, _) = runtime.block_on(closed_loop(
+            &client,
+            &url,
+            fresh_salts(template.clone(), 9000 + concurrency),
+            200,
+            concurrency,
+        ));
+        let rate = lat.0.len() as f64 / start.elapsed().as_secs_f64();
+        if rate > best.1 * 1.05 {
+            best = (concurrency, rate);
+        }
+    }
+    let concurrency = best.0;
+    let processes = stack.processes();
+    let before: Vec<f64> = processes.iter().map(|(_, pid)| cpu_seconds(*pid)).collect();
+    let start = std::time::Instant::now();
+    let mut all = Latencies::default();
+    let mut failures = 0;
+    let mut run = 0;
+    while start.elapsed().as_secs_f64() < 60.0 {
+        let (lat, failed) = runtime.block_on(closed_loop(
+            &client,
+            &url,
+            fresh_salts(template.clone(), run),
+            200,
+            concurrency,
+        ));
+        all.extend(lat);
+        failures += failed;
+        run += 1;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let requests = all.0.len() + failures;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "| closed-loop concurrency | duration | requests | rate | failed | p50 | p90 | p99 | max |"
+    )?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(
+        out,
+        "| {concurrency} | {seconds:.0} s | {requests} | {:.0} req/s | {failures} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms |",
+        requests as f64 / seconds,
+        ms(all.quantile(0.5)),
+        ms(all.quantile(0.9)),
+        ms(all.quantile(0.99)),
+        ms(all.quantile(1.0)),
+    )?;
+    writeln!(out, "\n| process | CPU per request |\n|---|---|")?;
+    for ((name, pid), before) in processes.iter().zip(before) {
+        writeln!(
+            out,
+            "| {name} | {:.0} us |",
+            (cpu_seconds(*pid) - before) / requests.max(1) as f64 * 1e6
+        )?;
+    }
+    println!("{out}");
+    Ok(())
+}
+
+/// `bench ingest`: kvaffined following 4 publishers at 100k block entries/s in all, while a
+/// client looks up at 1k req/s.
+fn ingest() -> anyhow::Result<()> {
+    use kvaffine_core::events::{BlockStored, EngineHash, EventBatch, KvEvent};
+    use kvaffine_core::{HashAlgo, KeyConfig, KeyExtras, VllmCompat};
+    use vllm_emu::publisher::{EventPublisher, PublisherConfig};
+
+    const PUBLISHERS: usize = 4;
+    const BLOCKS_PER_BATCH: usize = 16;
+    const RATE: usize = 100_000;
+    let context = zmq::Context::new();
+    let publishers: Vec<EventPublisher> = (0..PUBLISHERS)
+        .map(|_| EventPublisher::start(&context, PublisherConfig::default()))
+        .collect::<Result<_, _>>()?;
+    let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--block-size", "64"]
+        .map(str::to_owned)
+        .to_vec();
+    for (i, p) in publishers.iter().enumerate() {
+        args.push("--endpoint".into());
+        args.push(format!(
+            "127.0.0.1:{}={},{}",
+            10 + i,
+            p.endpoint(),
+            p.replay_endpoint().unwrap_or_default()
+        ));
+    }
+    let (mut daemon, line) =
+        vllm_emu::harness::spawn_announcing(&vllm_emu::harness::binary("kvaffined"), &args, true);
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .context("kvaffined did not start")?
+        .to_owned();
+    let keys = KeyConfig::new(HashAlgo::Sha256Cbor, 64, None, VllmCompat::V0_31)?;
+    let mut rng = 7u64;
+    let batches: Vec<EventBatch> = (0..256)
+        .map(|_| {
+            let tokens: Vec<u32> = (0..BLOCKS_PER_BATCH * 64)
+                .map(|_| {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    (rng % 151_936) as u32
+                })
+                .collect();
+            let digests = keys.digests(&KeyExtras::default(), &tokens);
+            EventBatch {
+                ts: 0.0,
+                events: vec![KvEvent::BlockStored(BlockStored {
+                    block_hashes: digests
+                        .iter()
+                        .map(|d| EngineHash::Int(d.block_key().0))
+                        .collect(),
+                    token_ids: tokens,
+                    block_size: 64,
+                    medium: Some("GPU".into()),
+                    extra_keys: Some(vec![None; BLOCKS_PER_BATCH]),
+                    group_idx: Some(0),
+                    kv_cache_spec_kind: Some("full_attention".into()),
+                    ..BlockStored::default()
+                })],
+                data_parallel_rank: Some(0),
+                skipped_unknown: 0,
+            }
+        })
+        .collect();
+    let lookups: Vec<Vec<u8>> = batches
+        .iter()
+        .map(|b| match &b.events[0] {
+            KvEvent::BlockStored(s) => {
+                json!({"keys": s.block_hashes.iter().map(|h| h.block_key().0).collect::<Vec<_>>()})
+                    .to_string()
+                    .into_bytes()
+            }
+            _ => Vec::new(),
+        })
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let client = reqwest::Client::builder().no_proxy().build()?;
+    let url = format!("http://{addr}/v1/lookup");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lookup_thread = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            runtime.block_on(async move {
+                let mut ticker = tokio::time::interval(std::time::Duration::from_millis(1));
+                let mut times = Vec::new();
+                let mut n = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    ticker.tick().await;
+                    let body = lookups[n % lookups.len()].clone();
+                    n += 1;
+                    let start = std::time::Instant::now();
+                    if let Ok(response) = client.post(&url).body(body).send().await {
+                        if response.bytes().await.is_ok() {
+                            times.push(start.elapsed());
+                        }
+                    }
+                }
+                times.sort();
+                Latencies(times)
+            })
+        })
+    };
+    let batches_per_second = RATE / BLOCKS_PER_BATCH;
+    let interval =
+        std::time::Duration::from_secs_f64(PUBLISHERS as f64 / batches_per_second as f64);
+    let start = std::time::Instant::now();
+    let mut published = 0usize;
+    let mut next = start;
+    while start.elapsed().as_secs_f64() < 20.0 {
+        for publisher in &publishers {
+            publisher.publish(&batches[published % batches.len()])?;
+            published += 1;
+        }
+        next += interval;
+        if let Some(wait) = next.checked_duration_since(std::time::Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let latencies = lookup_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("lookup thread panicked"))?;
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let (_, metrics) = vllm_emu::harness::http(&addr, "GET", "/metrics", "");
+    let applied: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvaffined_events_applied_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let errors: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("kvaffined_decode_errors_total{")
+                || l.starts_with("kvaffined_event_gaps_total{")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    println!(
+        "| published | rate | applied (events of 16 blocks) | decode errors + gaps | lookups | lookup p50 | lookup p99 |\n|---|---|---|---|---|---|---|\n| {} block entries in {seconds:.1} s | {:.0} block entries/s | {:.0} x 16 = {:.0} | {errors} | {} | {:.3} ms | {:.3} ms |",
+        published * BLOCKS_PER_BATCH,
+        (published * BLOCKS_PER_BATCH) as f64 / seconds,
+        applied,
+        applied * BLOCKS_PER_BATCH as f64,
+        latencies.0.len(),
+        ms(latencies.quantile(0.5)),
+        ms(latencies.quantile(0.99)),
+    );
     Ok(())
 }

@@ -182,6 +182,7 @@ pub fn reliability() -> anyhow::Result<()> {
     let recoveries: Vec<&str> = fault_text
         .lines()
         .filter(|l| l.contains("routing by prefix again"))
+        .map(|l| l.rsplit_once(" ... ").map_or(l, |(_, rest)| rest))
         .collect();
     let template = include_str!("reliability.md");
     let md = template

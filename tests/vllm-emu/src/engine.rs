@@ -251,6 +251,15 @@ impl Engine {
         self.admitted.notify_waiters();
     }
 
+    /// Prompt tokens a request would be served from the cache right now (no change to the
+    /// cache): what a router with perfect knowledge could get from this replica.
+    pub fn cached_tokens(&self, tokens: &[u32], extras: &KeyExtras) -> usize {
+        let block_size = self.keys.block_size();
+        let digests = self.digests(tokens, extras);
+        let hit_cap = tokens.len().saturating_sub(1) / block_size;
+        self.state.lock().cache.cached_prefix(&digests).min(hit_cap) * block_size
+    }
+
     /// `POST /reset_prefix_cache`; false while requests run.
     pub fn reset(&self) -> bool {
         let mut state = self.state.lock();

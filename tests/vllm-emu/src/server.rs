@@ -130,6 +130,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics))
         .route("/kv_event_sources", get(|State(app): State<Arc<App>>| async move { axum::Json(app.kv_event_sources.clone()) }))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/debug/cached_tokens", post(debug_cached_tokens))
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
         .with_state(app)
 }
@@ -697,6 +698,28 @@ async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
         "cache_salt": body.get("cache_salt"),
     }))
     .into_response())
+}
+
+/// Emulator only (benchmark oracles): how many prompt tokens of this chat request this
+/// replica would serve from its cache now, and the prompt's length.
+async fn debug_cached_tokens(
+    State(app): State<Arc<App>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let body = parse(&body)?;
+    let extras = extras(&app, &body)?;
+    let tools = tools_of(&body)?;
+    let kwargs = template_kwargs(&body).map_err(|e| ApiError::bad(e.to_string()))?;
+    let text = render_chat(
+        messages_of(&body)?,
+        tools.as_deref(),
+        flag(&body, "add_generation_prompt", true)?,
+        flag(&body, "continue_final_message", false)?,
+        &kwargs,
+    )?;
+    let prompt = tokenizer::token_ids(&text);
+    let cached = app.engine.cached_tokens(&prompt, &extras);
+    Ok(axum::Json(json!({"cached_tokens": cached, "prompt_tokens": prompt.len()})).into_response())
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {

@@ -456,13 +456,14 @@ fn ingest() -> anyhow::Result<()> {
         .filter(|l| l.starts_with("kvaffined_events_applied_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
-    let errors: f64 = metrics
+    let errors: u64 = metrics
         .lines()
         .filter(|l| {
             l.starts_with("kvaffined_decode_errors_total{")
                 || l.starts_with("kvaffined_event_gaps_total{")
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
         .sum();
     let _ = daemon.kill();
     let _ = daemon.wait();

@@ -1,0 +1,186 @@
+//! Conversations driven through the gateway the way an agent drives them: stream each turn,
+//! carry the assistant message (reasoning, tool calls) back, answer tool calls, and record
+//! what each turn cost, including what a router with perfect knowledge could have got.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use vllm_emu::harness::http;
+
+/// What one turn measured.
+#[derive(Clone, Debug)]
+pub struct TurnResult {
+    /// Success (HTTP 200 and a complete stream).
+    pub ok: bool,
+    /// Time to the first streamed byte.
+    pub ttft: Duration,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Of which served from the chosen replica's cache.
+    pub cached_tokens: u64,
+    /// The most any replica held for this prompt when it was sent.
+    pub oracle_tokens: u64,
+    /// The replica that served it.
+    pub replica: String,
+    /// The assistant message, as a client carries it back.
+    pub message: Value,
+}
+
+/// The most any replica could have served from its cache for `body` right now.
+pub fn oracle(replicas: &[String], body: &Value) -> u64 {
+    replicas
+        .iter()
+        .filter_map(|r| {
+            let (status, text) = http(r, "POST", "/debug/cached_tokens", &body.to_string());
+            (status == 200).then(|| serde_json::from_str::<Value>(&text).ok())?
+        })
+        .filter_map(|v| v["cached_tokens"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Sends one streaming chat request through `url` and reassembles the answer.
+pub async fn turn(client: &reqwest::Client, url: &str, replicas: &[String], body: &Value) -> TurnResult {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let oracle_tokens = {
+        let (replicas, body) = (replicas.to_vec(), body.clone());
+        tokio::task::spawn_blocking(move || oracle(&replicas, &body)).await.unwrap_or(0)
+    };
+    let failed = |ttft| TurnResult {
+        ok: false,
+        ttft,
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        oracle_tokens,
+        replica: String::new(),
+        message: Value::Null,
+    };
+    let start = Instant::now();
+    let Ok(mut response) = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+    else {
+        return failed(start.elapsed());
+    };
+    if !response.status().is_success() {
+        return failed(start.elapsed());
+    }
+    let replica = response
+        .headers()
+        .get("x-served-by")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let mut ttft = None;
+    let mut raw = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                ttft.get_or_insert_with(|| start.elapsed());
+                raw.extend_from_slice(&chunk);
+            }
+            Ok(None) => break,
+            Err(_) => return failed(start.elapsed()),
+        }
+    }
+    let text = String::from_utf8_lossy(&raw);
+    let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+    let mut usage = Value::Null;
+    let mut done = false;
+    for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+        let delta = &chunk["choices"][0]["delta"];
+        if let Some(c) = delta["content"].as_str() {
+            content.push_str(c);
+        }
+        if let Some(r) = delta["reasoning_content"].as_str() {
+            reasoning.push_str(r);
+        }
+        if let Some(tc) = delta["tool_calls"].as_array() {
+            calls.extend(tc.iter().map(|c| {
+                json!({"id": c["id"], "type": "function", "function": c["function"]})
+            }));
+        }
+    }
+    let mut message = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = json!(reasoning);
+    }
+    if !calls.is_empty() {
+        message["tool_calls"] = json!(calls);
+    }
+    TurnResult {
+        ok: done && !usage.is_null(),
+        ttft: ttft.unwrap_or_else(|| start.elapsed()),
+        prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
+        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        oracle_tokens,
+        replica,
+        message,
+    }
+}
+
+/// A conversation: its messages so far and what every turn measured.
+pub struct Session {
+    /// Chat messages so far.
+    pub messages: Vec<Value>,
+    /// Fields every request carries (salt, tools, effort...).
+    pub fields: Value,
+    /// Every turn's result.
+    pub results: Vec<TurnResult>,
+}
+
+impl Session {
+    /// A session opening with `system` and `first` user message.
+    pub fn new(system: &str, first: &str, fields: Value) -> Self {
+        Self {
+            messages: vec![
+                json!({"role": "system", "content": system}),
+                json!({"role": "user", "content": first}),
+            ],
+            fields,
+            results: Vec::new(),
+        }
+    }
+
+    /// The request for the next turn.
+    pub fn request(&self, max_tokens: u64) -> Value {
+        let mut body = self.fields.clone();
+        body["model"] = json!("emu-model");
+        body["messages"] = json!(self.messages);
+        body["max_tokens"] = json!(max_tokens);
+        body
+    }
+
+    /// Runs one turn and appends the answer (and, for a tool call, its result) or the
+    /// `next` user message.
+    pub async fn step(&mut self, client: &reqwest::Client, url: &str, replicas: &[String], next: &str) {
+        let result = turn(client, url, replicas, &self.request(24)).await;
+        if result.ok {
+            self.messages.push(result.message.clone());
+            if let Some(calls) = result.message["tool_calls"].as_array() {
+                for call in calls {
+                    self.messages.push(json!({"role": "tool", "tool_call_id": call["id"],
+                                              "content": format!("result of {}: {next}", call["function"]["name"])}));
+                }
+            } else {
+                self.messages.push(json!({"role": "user", "content": next}));
+            }
+        }
+        self.results.push(result);
+    }
+}

@@ -33,6 +33,11 @@ pub struct Candidate {
 /// The knobs of the ranking.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PickPolicy {
+    /// Tokens per block (to turn matches into tokens).
+    pub block_size: usize,
+    /// Prefill cost of a cached prompt token relative to an uncached one (vLLM still
+    /// attends over cached tokens; about 0.1 on the calibrated GPT-OSS-20B replica).
+    pub cached_token_cost: f64,
     /// A replica with this many waiting requests is saturated.
     pub max_waiting: u32,
     /// A replica with this much pending prefill is saturated.
@@ -45,6 +50,8 @@ pub struct PickPolicy {
 impl Default for PickPolicy {
     fn default() -> Self {
         Self {
+            block_size: 16,
+            cached_token_cost: 0.1,
             max_waiting: 8,
             max_pending_prefill_tokens: 64 * 1024,
             min_matched_blocks: 1,
@@ -91,30 +98,47 @@ impl PickPolicy {
         }
     }
 
-    /// Candidate indices, best first, and why the first is first.
+    /// The prefill work, in uncached-token equivalents, that sending a request of
+    /// `request_blocks` blocks to this candidate would queue behind and add: its pending
+    /// prefill (picks booked on it whose blocks its events have not confirmed yet), the
+    /// blocks it does not hold, and the (cheaper) blocks it does.
     ///
-    /// Order: usable before unusable; unsaturated before saturated; longer useful prefix
-    /// first; then less waiting, less pending prefill, fewer running, lower KV usage;
-    /// then input order (stable), so equal replicas keep a deterministic order.
-    pub fn rank(&self, candidates: &[Candidate]) -> (Vec<usize>, PickReason) {
+    /// Waiting requests from `/metrics` are not costed: scraped every half second they lag
+    /// the bookings, and counting them as full requests made affinity leave warm replicas
+    /// too early (the scenario benchmark's hot-system-prompt and template-divergence runs
+    /// lost hit rate and TTFT with it); they saturate a replica and break ties instead.
+    fn cost(&self, request_blocks: usize, c: &Candidate) -> f64 {
+        let matched = self.useful_match(c.matched_blocks).min(request_blocks);
+        let block = self.block_size as f64;
+        c.load.pending_prefill_tokens as f64
+            + (request_blocks - matched) as f64 * block
+            + matched as f64 * block * self.cached_token_cost
+    }
+
+    /// Candidate indices, best first, and why the first is first, for a request of
+    /// `request_blocks` blocks.
+    ///
+    /// Order: usable before unusable; unsaturated before saturated; then the least
+    /// [prefill cost](Self::cost), so a long cached prefix wins until the queue in front
+    /// of it costs more than recomputing the prefix elsewhere; then fewer waiting, fewer
+    /// running, lower KV usage; then input order (stable).
+    pub fn rank(
+        &self,
+        request_blocks: usize,
+        candidates: &[Candidate],
+    ) -> (Vec<usize>, PickReason) {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
-        let key = |c: &Candidate| {
-            (
-                !c.usable,
-                self.saturated(&c.load),
-                std::cmp::Reverse(self.useful_match(c.matched_blocks)),
-                c.load.waiting,
-                c.load.pending_prefill_tokens,
-                c.load.running,
-            )
-        };
+        let key = |c: &Candidate| (!c.usable, self.saturated(&c.load));
+        let tail = |c: &Candidate| (c.load.waiting, c.load.running);
         order.sort_by(|&a, &b| match (candidates.get(a), candidates.get(b)) {
-            (Some(x), Some(y)) => key(x).cmp(&key(y)).then(
-                x.load
-                    .kv_cache_usage
-                    .partial_cmp(&y.load.kv_cache_usage)
-                    .unwrap_or(std::cmp::Ordering::Equal),
-            ),
+            (Some(x), Some(y)) => key(x)
+                .cmp(&key(y))
+                .then(
+                    self.cost(request_blocks, x)
+                        .total_cmp(&self.cost(request_blocks, y)),
+                )
+                .then(tail(x).cmp(&tail(y)))
+                .then(x.load.kv_cache_usage.total_cmp(&y.load.kv_cache_usage)),
             _ => std::cmp::Ordering::Equal,
         });
         let Some(first) = order.first().and_then(|&i| candidates.get(i)) else {
@@ -156,14 +180,14 @@ mod tests {
     #[test]
     fn longest_prefix_wins_while_not_saturated() {
         let policy = PickPolicy::default();
-        let (order, reason) = policy.rank(&[c(2, 0), c(9, 3), c(0, 0)]);
+        let (order, reason) = policy.rank(10, &[c(2, 0), c(9, 0), c(0, 1)]);
         assert_eq!((order, reason), (vec![1, 0, 2], PickReason::Prefix));
     }
 
     #[test]
     fn affinity_yields_to_load_past_saturation() {
         let policy = PickPolicy::default();
-        let (order, reason) = policy.rank(&[c(0, 1), c(9, 8)]);
+        let (order, reason) = policy.rank(10, &[c(0, 1), c(9, 8)]);
         assert_eq!((order, reason), (vec![0, 1], PickReason::Saturated));
     }
 
@@ -173,7 +197,7 @@ mod tests {
             min_matched_blocks: 2,
             ..PickPolicy::default()
         };
-        let (order, reason) = policy.rank(&[c(1, 3), c(1, 1), c(0, 2)]);
+        let (order, reason) = policy.rank(10, &[c(1, 3), c(1, 1), c(0, 2)]);
         assert_eq!((order, reason), (vec![1, 2, 0], PickReason::Load));
     }
 
@@ -183,9 +207,9 @@ mod tests {
         let mut busy = c(4, 0);
         busy.load.pending_prefill_tokens = 1000;
         let idle = c(4, 0);
-        assert_eq!(policy.rank(&[busy, idle]).0, vec![1, 0]);
+        assert_eq!(policy.rank(10, &[busy, idle]).0, vec![1, 0]);
         busy.load.pending_prefill_tokens = policy.max_pending_prefill_tokens;
-        let (order, reason) = policy.rank(&[busy, c(0, 0)]);
+        let (order, reason) = policy.rank(10, &[busy, c(0, 0)]);
         assert_eq!((order, reason), (vec![1, 0], PickReason::Saturated));
     }
 
@@ -195,9 +219,40 @@ mod tests {
         let mut broken = c(9, 0);
         broken.usable = false;
         assert_eq!(
-            policy.rank(&[broken, c(0, 5)]),
+            policy.rank(10, &[broken, c(0, 5)]),
             (vec![1, 0], PickReason::Load)
         );
-        assert_eq!(policy.rank(&[]), (vec![], PickReason::NoCandidates));
+        assert_eq!(policy.rank(10, &[]), (vec![], PickReason::NoCandidates));
+    }
+
+    #[test]
+    fn waiting_requests_break_ties_and_saturate_but_do_not_cost() {
+        let policy = PickPolicy::default();
+        assert_eq!(
+            policy.rank(10, &[c(10, 2), c(0, 0)]),
+            (vec![0, 1], PickReason::Prefix)
+        );
+        assert_eq!(
+            policy.rank(10, &[c(0, 2), c(0, 1)]),
+            (vec![1, 0], PickReason::Load)
+        );
+    }
+
+    #[test]
+    fn a_warm_replica_loses_once_its_queue_costs_more_than_recomputing_elsewhere() {
+        let policy = PickPolicy::default();
+        let mut warm = c(90, 0);
+        warm.load.pending_prefill_tokens = 500;
+        let cold = c(0, 0);
+        assert_eq!(
+            policy.rank(100, &[cold, warm]),
+            (vec![1, 0], PickReason::Prefix)
+        );
+        // 100 blocks of 16 tokens cost 1,600 cold; behind 20,000 queued tokens warm costs more.
+        warm.load.pending_prefill_tokens = 20_000;
+        assert_eq!(
+            policy.rank(100, &[cold, warm]),
+            (vec![0, 1], PickReason::Saturated)
+        );
     }
 }

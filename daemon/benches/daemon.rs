@@ -98,6 +98,8 @@ fn settings() -> Settings {
         max_entries: 100_000_000,
         booking_ttl: Duration::from_secs(2),
         scrape_interval: Duration::from_millis(500),
+        prefill_tokens_per_second: 5000.0,
+        request_overhead_tokens: 200,
         replay_timeout: Duration::from_secs(5),
     }
 }

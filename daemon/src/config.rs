@@ -65,6 +65,17 @@ pub struct ServeArgs {
     /// A replica with this many pending prefill tokens is saturated.
     #[arg(long, default_value_t = PickPolicy::default().max_pending_prefill_tokens)]
     pub max_pending_prefill_tokens: u64,
+    /// Prefill cost of a cached token relative to an uncached one, for the ranking.
+    #[arg(long, default_value_t = PickPolicy::default().cached_token_cost)]
+    pub cached_token_cost: f64,
+    /// How fast a replica prefills, in tokens per second: a booking's pending prefill
+    /// shrinks at this rate (GPT-OSS-20B on one GPU: about 5,000).
+    #[arg(long, default_value_t = 5000.0)]
+    pub prefill_tokens_per_second: f64,
+    /// A request's fixed prefill cost in uncached-token equivalents (scheduling, sampling
+    /// setup): about 200 on the calibrated replica (40 ms at 5,000 tokens/s).
+    #[arg(long, default_value_t = 200)]
+    pub request_overhead_tokens: u64,
     /// Matches shorter than this many blocks count as none.
     #[arg(long, default_value_t = PickPolicy::default().min_matched_blocks)]
     pub min_matched_blocks: usize,
@@ -196,6 +207,10 @@ pub struct Settings {
     pub booking_ttl: Duration,
     /// Scrape period.
     pub scrape_interval: Duration,
+    /// Prefill speed assumed for pending bookings.
+    pub prefill_tokens_per_second: f64,
+    /// A request's fixed prefill cost, in tokens.
+    pub request_overhead_tokens: u64,
     /// Replay deadline.
     pub replay_timeout: Duration,
 }
@@ -212,9 +227,17 @@ impl ServeArgs {
         if self.max_keys == 0 {
             bail!("--max-keys must be at least 1");
         }
+        if self.prefill_tokens_per_second.is_nan() || self.prefill_tokens_per_second <= 0.0 {
+            bail!("--prefill-tokens-per-second must be positive");
+        }
+        if !(0.0..=1.0).contains(&self.cached_token_cost) {
+            bail!("--cached-token-cost must be between 0 and 1");
+        }
         Ok(Settings {
             keys,
             policy: PickPolicy {
+                block_size: self.block_size as usize,
+                cached_token_cost: self.cached_token_cost,
                 max_waiting: self.max_waiting,
                 max_pending_prefill_tokens: self.max_pending_prefill_tokens,
                 min_matched_blocks: self.min_matched_blocks,
@@ -225,6 +248,8 @@ impl ServeArgs {
             max_entries: self.max_entries,
             booking_ttl: Duration::from_millis(self.booking_ttl_ms),
             scrape_interval: Duration::from_millis(self.scrape_interval_ms.max(10)),
+            prefill_tokens_per_second: self.prefill_tokens_per_second,
+            request_overhead_tokens: self.request_overhead_tokens,
             replay_timeout: Duration::from_millis(self.replay_timeout_ms),
         })
     }

@@ -185,10 +185,11 @@ impl Daemon {
     pub fn new(settings: Settings) -> Self {
         let index = PrefixIndex::new(settings.max_entries);
         let history = History::new(settings.max_entries.min(10_000_000));
+        let bookings = Bookings::new(settings.prefill_tokens_per_second);
         Self {
             settings,
             index: RwLock::new(index),
-            bookings: Mutex::new(Bookings::default()),
+            bookings: Mutex::new(bookings),
             history: Mutex::new(history),
             endpoints: RwLock::new(Vec::new()),
             metrics: Metrics::default(),
@@ -235,7 +236,7 @@ impl Daemon {
                 .collect();
             (matched.unwrap_or(indexed), indexed, tiers)
         };
-        let pending = bookings.pending_tokens();
+        let pending = bookings.pending_tokens(now);
         // One answer per replica: its data-parallel ranks' streams merge into it.
         let mut answers: Vec<EndpointMatch> = Vec::with_capacity(endpoints.len());
         let mut best_slot: Vec<Slot> = Vec::with_capacity(endpoints.len());
@@ -302,7 +303,7 @@ impl Daemon {
                 });
             }
         }
-        let (order, reason) = self.settings.policy.rank(&candidates);
+        let (order, reason) = self.settings.policy.rank(request.keys.len(), &candidates);
         let ranked: Vec<String> = order
             .iter()
             .filter_map(|&i| rankable.get(i))
@@ -316,12 +317,19 @@ impl Daemon {
                 .and_then(|&a| Some((answers.get(a)?, *best_slot.get(a)?)));
             if let (Some((answer, slot)), Some(candidate)) = (winner, candidates.get(first)) {
                 let block_size = self.settings.keys.block_size() as u64;
+                // The prefill this request queues on its replica, in uncached-token
+                // equivalents: its uncached tokens, its cached ones at their lower cost, and
+                // the fixed cost of a request.
+                let held = candidate.matched_blocks.min(request.keys.len()) as u64 * block_size;
                 let uncached =
                     request.keys.len().saturating_sub(candidate.matched_blocks) as u64 * block_size;
+                let work = uncached
+                    + (held as f64 * self.settings.policy.cached_token_cost) as u64
+                    + self.settings.request_overhead_tokens;
                 let ttl = book
                     .ttl_ms
                     .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
-                bookings.book(slot, &request.keys, uncached, now, ttl);
+                bookings.book(slot, &request.keys, work, now, ttl);
                 if request.approximate {
                     self.history.lock().record(slot, &request.keys);
                 }

@@ -237,6 +237,9 @@ fn a_booking_holds_a_fresh_prefix_for_its_siblings_until_it_expires() {
         &endpoint_flag(A, &pa),
         "--endpoint",
         &endpoint_flag(B, &pb),
+        // The booked prefill is estimated done within about 3 ms.
+        "--prefill-tokens-per-second",
+        "100000",
     ]);
     daemon.wait_ready();
     let k = keys(&prompt(70, 6));
@@ -247,9 +250,14 @@ fn a_booking_holds_a_fresh_prefix_for_its_siblings_until_it_expires() {
     let first = book(60_000);
     let booked = first["booked"].as_str().unwrap().to_owned();
     assert_eq!(first["reason"], "load");
-    // A sibling with the same prefix, before any event: it follows the booking.
-    let sibling = daemon.lookup(&k);
-    assert_eq!(sibling["ranked"][0], booked.as_str());
+    // A sibling with the same prefix after the first one's prefill, before any event: it
+    // follows the booking. (One arriving during that prefill would recompute wherever it
+    // went, so it is sent wherever that is cheapest.)
+    let mut sibling = daemon.lookup(&k);
+    wait_for("the booked prefill to be done", || {
+        sibling = daemon.lookup(&k);
+        sibling["ranked"][0] == booked.as_str()
+    });
     assert_eq!(sibling["reason"], "prefix");
     let entry = sibling["endpoints"]
         .as_array()
@@ -265,7 +273,9 @@ fn a_booking_holds_a_fresh_prefix_for_its_siblings_until_it_expires() {
         ),
         (Some(6), Some(0))
     );
-    assert_eq!(entry["pending_prefill_tokens"], 6 * BLOCK_SIZE as u64);
+    // At most six uncached blocks plus the request's fixed cost (200), draining.
+    let pending = entry["pending_prefill_tokens"].as_u64().unwrap();
+    assert!(pending <= 6 * BLOCK_SIZE as u64 + 200, "{pending}");
     // A booking that expires stops counting.
     let other = keys(&prompt(71, 2));
     let body = json!({"keys": other, "book": {"ttl_ms": 1}}).to_string();

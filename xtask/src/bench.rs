@@ -155,6 +155,23 @@ pub fn seed() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The production scenarios -> `docs/benchmarks/README.md` and `docs/benchmarks/scenarios/`.
+pub fn scenarios() -> anyhow::Result<()> {
+    let out = sh::root().join("docs/benchmarks/scenarios");
+    let started = std::time::Instant::now();
+    let table = stack_bench(&["scenarios", &out.display().to_string()])?;
+    let md = include_str!("bench_scenarios.md")
+        .replace("{{MACHINE}}", &machine())
+        .replace(
+            "{{MINUTES}}",
+            &format!("{:.1}", started.elapsed().as_secs_f64() / 60.0),
+        )
+        .replace("{{TABLE}}", &table);
+    write(&sh::root().join("docs/benchmarks/README.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 /// Faults, load and ingest under load -> `docs/reliability.md`.
 pub fn reliability() -> anyhow::Result<()> {
     let load = stack_bench(&["load"])?;

@@ -18,6 +18,8 @@ commands:
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
   bench filter  latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
   bench seed    the published two-replica measurement, reproduced -> docs/benchmarks/seed/
+  bench scenarios
+                eight production scenarios x routing profiles -> docs/benchmarks/README.md
   bench reliability
                 faults, 60 s of load, ingest under lookups -> docs/reliability.md
   fuzz TARGET SECONDS
@@ -35,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         ["bench", "filter"] => bench::filter(),
         ["bench", "seed"] => bench::seed(),
         ["bench", "reliability"] => bench::reliability(),
+        ["bench", "scenarios"] => bench::scenarios(),
         ["fuzz", target, seconds] => fuzz(target, seconds),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");

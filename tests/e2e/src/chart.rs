@@ -77,3 +77,58 @@ pub fn seed_chart(path: &Path, pairs: &[Pair]) -> anyhow::Result<()> {
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
 }
+
+/// Hit rate and the oracle's, per profile, for one scenario.
+pub fn scenario_chart(path: &Path, title: &str, rows: &[(String, f64, f64)]) -> anyhow::Result<()> {
+    let root = SVGBackend::new(path, (720, 400)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let n = rows.len().max(1) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(-0.5f64..(n - 0.5), 0f64..105f64)
+        .map_err(|e| anyhow!("{e}"))?;
+    let names: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(rows.len())
+        .x_label_formatter(&|x| {
+            names
+                .get(x.round() as usize)
+                .filter(|_| (x - x.round()).abs() < 0.01)
+                .cloned()
+                .unwrap_or_default()
+        })
+        .y_desc("prompt tokens served from cache (%)")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    let hit = Palette99::pick(2).to_rgba();
+    let oracle = RGBColor(180, 180, 180);
+    chart
+        .draw_series(
+            rows.iter().enumerate().map(|(i, r)| {
+                Rectangle::new([(i as f64 - 0.35, 0.0), (i as f64, r.1)], hit.filled())
+            }),
+        )
+        .map_err(|e| anyhow!("{e}"))?
+        .label("kv hit")
+        .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], hit.filled()));
+    chart
+        .draw_series(rows.iter().enumerate().map(|(i, r)| {
+            Rectangle::new([(i as f64, 0.0), (i as f64 + 0.35, r.2)], oracle.filled())
+        }))
+        .map_err(|e| anyhow!("{e}"))?
+        .label("oracle")
+        .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], oracle.filled()));
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}

@@ -8,7 +8,9 @@
 pub mod chart;
 pub mod client;
 pub mod load;
+pub mod scenarios;
 pub mod seed;
+pub mod session;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -61,6 +63,8 @@ pub struct StackConfig {
     pub filter: Value,
     /// Extra flags for kvaffined.
     pub daemon_args: Vec<String>,
+    /// kvaffined instances, active-active behind the `kvaffined` cluster.
+    pub daemons: usize,
     /// Gateway port (0: any).
     pub gateway_port: u16,
     /// Show the servers' logs.
@@ -75,6 +79,7 @@ impl Default for StackConfig {
             replica_args: vec!["--time-scale".into(), "0".into()],
             filter: json!({}),
             daemon_args: Vec::new(),
+            daemons: 1,
             gateway_port: 0,
             verbose: false,
         }
@@ -88,6 +93,8 @@ pub struct Stack {
     daemon: Option<Child>,
     /// `HOST:PORT` of kvaffined.
     pub daemon_addr: String,
+    /// Further active-active daemons and their addresses.
+    spare_daemons: Vec<(Child, String)>,
     envoy: Option<Child>,
     /// `HOST:PORT` of the gateway.
     pub gateway: String,
@@ -169,6 +176,17 @@ fn spawn_daemon(
     for replica in replicas {
         args.extend(["--endpoint".to_owned(), replica.endpoint_flag()]);
     }
+    // The daemon's prefill-speed estimate follows the replicas' time scale (the emulator's
+    // model prefills about 5,000 uncached tokens/s at scale 1; scale 0 is instant).
+    let scale = config
+        .replica_args
+        .iter()
+        .position(|a| a == "--time-scale")
+        .and_then(|i| config.replica_args.get(i + 1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(1.0);
+    let rate = if scale > 0.0 { 5000.0 / scale } else { 1e12 };
+    args.extend(["--prefill-tokens-per-second".to_owned(), rate.to_string()]);
     args.extend(config.daemon_args.iter().cloned());
     let (daemon, line) = spawn_announcing(&binary("kvaffined"), &args, !config.verbose);
     let addr = line
@@ -198,10 +216,14 @@ impl Stack {
             .map(|_| EmuProcess::start(&replica_args))
             .collect();
         let (daemon, daemon_addr) = spawn_daemon(&config, &replicas, "127.0.0.1:0")?;
+        let spare_daemons = (1..config.daemons.max(1))
+            .map(|_| spawn_daemon(&config, &replicas, "127.0.0.1:0"))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let mut stack = Self {
             replicas,
             daemon: Some(daemon),
             daemon_addr,
+            spare_daemons,
             envoy: None,
             gateway: String::new(),
             admin: String::new(),
@@ -226,7 +248,7 @@ impl Stack {
             .replace("{{POOL_ENDPOINTS}}", &endpoints_yaml(&replicas))
             .replace(
                 "{{DAEMON_ENDPOINTS}}",
-                &endpoints_yaml(&[&self.daemon_addr]),
+                &endpoints_yaml(&self.daemon_addresses()),
             );
         let config_path = self.dir.join("gateway.yaml");
         std::fs::write(&config_path, gateway)?;
@@ -343,6 +365,13 @@ impl Stack {
         Ok(())
     }
 
+    /// Addresses of every daemon, the primary first.
+    fn daemon_addresses(&self) -> Vec<&str> {
+        let mut all = vec![self.daemon_addr.as_str()];
+        all.extend(self.spare_daemons.iter().map(|(_, a)| a.as_str()));
+        all
+    }
+
     /// Every process of the stack with a name, for CPU accounting.
     pub fn processes(&self) -> Vec<(String, u32)> {
         let mut out = Vec::new();
@@ -373,11 +402,12 @@ impl Stack {
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        for child in [self.envoy.take(), self.daemon.take()]
+        let spares = self.spare_daemons.drain(..).map(|(child, _)| child);
+        for mut child in [self.envoy.take(), self.daemon.take()]
             .into_iter()
             .flatten()
+            .chain(spares)
         {
-            let mut child = child;
             let _ = child.kill();
             let _ = child.wait();
         }

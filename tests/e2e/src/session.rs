@@ -40,13 +40,20 @@ pub fn oracle(replicas: &[String], body: &Value) -> u64 {
 }
 
 /// Sends one streaming chat request through `url` and reassembles the answer.
-pub async fn turn(client: &reqwest::Client, url: &str, replicas: &[String], body: &Value) -> TurnResult {
+pub async fn turn(
+    client: &reqwest::Client,
+    url: &str,
+    replicas: &[String],
+    body: &Value,
+) -> TurnResult {
     let mut body = body.clone();
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
     let oracle_tokens = {
         let (replicas, body) = (replicas.to_vec(), body.clone());
-        tokio::task::spawn_blocking(move || oracle(&replicas, &body)).await.unwrap_or(0)
+        tokio::task::spawn_blocking(move || oracle(&replicas, &body))
+            .await
+            .unwrap_or(0)
     };
     let failed = |ttft| TurnResult {
         ok: false,
@@ -111,9 +118,10 @@ pub async fn turn(client: &reqwest::Client, url: &str, replicas: &[String], body
             reasoning.push_str(r);
         }
         if let Some(tc) = delta["tool_calls"].as_array() {
-            calls.extend(tc.iter().map(|c| {
-                json!({"id": c["id"], "type": "function", "function": c["function"]})
-            }));
+            calls
+                .extend(tc.iter().map(
+                    |c| json!({"id": c["id"], "type": "function", "function": c["function"]}),
+                ));
         }
     }
     let mut message = json!({"role": "assistant", "content": content});
@@ -127,7 +135,9 @@ pub async fn turn(client: &reqwest::Client, url: &str, replicas: &[String], body
         ok: done && !usage.is_null(),
         ttft: ttft.unwrap_or_else(|| start.elapsed()),
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
         oracle_tokens,
         replica,
         message,
@@ -168,7 +178,13 @@ impl Session {
 
     /// Runs one turn and appends the answer (and, for a tool call, its result) or the
     /// `next` user message.
-    pub async fn step(&mut self, client: &reqwest::Client, url: &str, replicas: &[String], next: &str) {
+    pub async fn step(
+        &mut self,
+        client: &reqwest::Client,
+        url: &str,
+        replicas: &[String],
+        next: &str,
+    ) {
         let result = turn(client, url, replicas, &self.request(24)).await;
         if result.ok {
             self.messages.push(result.message.clone());

@@ -41,6 +41,8 @@ pub struct Holding {
     pub blocks: Vec<Digest>,
     /// Whether it also holds one partial (uncached) block.
     pub partial: bool,
+    /// Blocks allocated for its prefill and not yet cached.
+    pub reserved: usize,
 }
 
 /// Not enough unreferenced blocks to admit a request now.
@@ -58,6 +60,8 @@ pub struct PrefixCache {
     tick: u64,
     /// Partial blocks held by running requests (they take capacity but are not cached).
     partials: usize,
+    /// Blocks of admitted prompts still being prefilled: allocated, not yet cached.
+    reserved: usize,
     events: Vec<KvEvent>,
 }
 
@@ -72,6 +76,7 @@ impl PrefixCache {
             free: BTreeMap::new(),
             tick: 0,
             partials: 0,
+            reserved: 0,
             events: Vec::new(),
         }
     }
@@ -79,7 +84,7 @@ impl PrefixCache {
     /// Fraction of blocks in use or cached (`vllm:kv_cache_usage_perc` counts blocks held by
     /// requests; cached free blocks are reusable, so they do not count).
     pub fn usage(&self) -> f64 {
-        let held = self.blocks.len() - self.free.len() + self.partials;
+        let held = self.blocks.len() - self.free.len() + self.partials + self.reserved;
         held as f64 / self.capacity.max(1) as f64
     }
 
@@ -97,7 +102,7 @@ impl PrefixCache {
     }
 
     fn in_use(&self) -> usize {
-        self.blocks.len() + self.partials
+        self.blocks.len() + self.partials + self.reserved
     }
 
     fn evict_one(&mut self, keep: &[Digest]) -> bool {
@@ -131,15 +136,14 @@ impl PrefixCache {
         }
     }
 
-    /// Admits a prompt: references its cached prefix (at most `hit_cap` blocks), caches its
-    /// other full blocks and holds a partial block when the prompt does not end on a block
-    /// boundary (the first generated token needs one anyway). Returns the blocks used from
-    /// the cache.
+    /// Admits a prompt: references its cached prefix (at most `hit_cap` blocks) and
+    /// allocates its other full blocks plus a partial one (the first generated token needs
+    /// one anyway). The new blocks become cached, and are reported, only when the prefill
+    /// that computes them is done ([`Self::commit_prefill`]), as in vLLM. Returns the
+    /// blocks used from the cache.
     pub fn admit(
         &mut self,
-        tokens: &[u32],
         digests: &[Digest],
-        extras: &KeyExtras,
         hit_cap: usize,
         holding: &mut Holding,
     ) -> Result<usize, NoCapacity> {
@@ -156,10 +160,25 @@ impl PrefixCache {
             self.reference(digest);
         }
         holding.blocks.extend_from_slice(keep);
-        self.store(tokens, digests, hits, extras, holding);
+        holding.reserved = new_blocks;
+        self.reserved += new_blocks;
         self.partials += 1;
         holding.partial = true;
         Ok(hits)
+    }
+
+    /// The prefill of an admitted prompt finished: its new full blocks are cached now.
+    pub fn commit_prefill(
+        &mut self,
+        tokens: &[u32],
+        digests: &[Digest],
+        extras: &KeyExtras,
+        holding: &mut Holding,
+    ) {
+        self.reserved -= holding.reserved;
+        holding.reserved = 0;
+        let from = holding.blocks.len();
+        self.store(tokens, digests, from, extras, holding);
     }
 
     /// Caches the full blocks `digests[from..]` of `tokens`, held by `holding`.
@@ -267,6 +286,7 @@ impl PrefixCache {
 
     /// The request finished: its blocks become evictable, tail first.
     pub fn release(&mut self, holding: Holding) {
+        self.reserved -= holding.reserved;
         if holding.partial {
             self.partials = self.partials.saturating_sub(1);
         }
@@ -285,7 +305,7 @@ impl PrefixCache {
     /// Drops every cached block (`POST /reset_prefix_cache`); refused while requests run,
     /// as vLLM refuses.
     pub fn reset(&mut self) -> bool {
-        if self.blocks.len() != self.free.len() || self.partials != 0 {
+        if self.blocks.len() != self.free.len() || self.partials != 0 || self.reserved != 0 {
             return false;
         }
         self.blocks.clear();
@@ -328,10 +348,13 @@ mod tests {
         let tokens: Vec<u32> = (0..10).collect();
         let digests = keys.digests(&extras, &tokens);
         let mut first = Holding::default();
-        assert_eq!(
-            cache.admit(&tokens, &digests, &extras, usize::MAX, &mut first),
-            Ok(0)
+        assert_eq!(cache.admit(&digests, usize::MAX, &mut first), Ok(0));
+        assert!(
+            cache.take_events().is_empty(),
+            "nothing is cached before the prefill ran"
         );
+        assert_eq!(cache.cached_prefix(&digests), 0);
+        cache.commit_prefill(&tokens, &digests, &extras, &mut first);
         let events = cache.take_events();
         assert_eq!(
             stored_hashes(&events),
@@ -339,10 +362,7 @@ mod tests {
         );
         cache.release(first);
         let mut second = Holding::default();
-        assert_eq!(
-            cache.admit(&tokens, &digests, &extras, usize::MAX, &mut second),
-            Ok(2)
-        );
+        assert_eq!(cache.admit(&digests, usize::MAX, &mut second), Ok(2));
         assert!(
             cache.take_events().is_empty(),
             "hits are not reported again"
@@ -357,13 +377,15 @@ mod tests {
         let a: Vec<u32> = (0..8).collect();
         let da = keys.digests(&extras, &a);
         let mut h = Holding::default();
-        cache.admit(&a, &da, &extras, usize::MAX, &mut h).unwrap();
+        cache.admit(&da, usize::MAX, &mut h).unwrap();
+        cache.commit_prefill(&a, &da, &extras, &mut h);
         cache.release(h);
         cache.take_events();
         let b: Vec<u32> = (100..104).collect();
         let db = keys.digests(&extras, &b);
         let mut h = Holding::default();
-        cache.admit(&b, &db, &extras, usize::MAX, &mut h).unwrap();
+        cache.admit(&db, usize::MAX, &mut h).unwrap();
+        cache.commit_prefill(&b, &db, &extras, &mut h);
         let events = cache.take_events();
         let removed: Vec<u64> = events
             .iter()
@@ -383,13 +405,13 @@ mod tests {
         let mut cache = PrefixCache::new(2, 4, EngineHashMode::Keys);
         let a: Vec<u32> = (0..4).collect();
         let mut h = Holding::default();
-        cache
-            .admit(&a, &keys.digests(&extras, &a), &extras, usize::MAX, &mut h)
-            .unwrap();
+        let da = keys.digests(&extras, &a);
+        cache.admit(&da, usize::MAX, &mut h).unwrap();
+        cache.commit_prefill(&a, &da, &extras, &mut h);
         let b: Vec<u32> = (9..13).collect();
         let mut h2 = Holding::default();
         assert_eq!(
-            cache.admit(&b, &keys.digests(&extras, &b), &extras, usize::MAX, &mut h2),
+            cache.admit(&keys.digests(&extras, &b), usize::MAX, &mut h2),
             Err(NoCapacity)
         );
         assert!(!cache.reset(), "reset refused while a request runs");
@@ -408,15 +430,9 @@ mod tests {
         let mut cache = PrefixCache::new(10, 4, EngineHashMode::Opaque);
         let tokens: Vec<u32> = (0..8).collect();
         let digests = keys.digests(&extras, &tokens);
-        cache
-            .admit(
-                &tokens,
-                &digests,
-                &extras,
-                usize::MAX,
-                &mut Holding::default(),
-            )
-            .unwrap();
+        let mut h = Holding::default();
+        cache.admit(&digests, usize::MAX, &mut h).unwrap();
+        cache.commit_prefill(&tokens, &digests, &extras, &mut h);
         let events = cache.take_events();
         let KvEvent::BlockStored(stored) = &events[0] else {
             panic!()

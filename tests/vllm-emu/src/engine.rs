@@ -96,6 +96,8 @@ struct State {
     cache: PrefixCache,
     running: usize,
     waiting: usize,
+    /// Admitted requests whose prefill has not started.
+    prefill_queued: usize,
     prefix_queries: u64,
     prefix_hits: u64,
 }
@@ -105,6 +107,7 @@ pub struct Admission {
     holding: Holding,
     /// Prompt tokens served from the cache.
     pub cached_tokens: usize,
+    digests: Vec<Digest>,
 }
 
 /// The shared engine of one replica.
@@ -143,6 +146,7 @@ impl Engine {
                 cache,
                 running: 0,
                 waiting: 0,
+                prefill_queued: 0,
                 prefix_queries: 0,
                 prefix_hits: 0,
             }),
@@ -168,6 +172,18 @@ impl Engine {
             // The publisher task ends only with the process.
             let _ = self.events.send(events);
         }
+    }
+
+    /// Refuses, before anything is streamed, a prompt the cache could never hold.
+    pub fn check_fits(&self, tokens: &[u32]) -> Result<(), EngineError> {
+        let need = tokens.len() / self.keys.block_size() + 1;
+        if need > self.capacity {
+            return Err(EngineError::TooLong {
+                need,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
     }
 
     /// Waits until the request can run (a free sequence slot and enough KV blocks), then
@@ -197,11 +213,7 @@ impl Engine {
                 if state.running < self.max_num_seqs {
                     let mut holding = Holding::default();
                     // Without capacity now, wait for a running request to finish.
-                    if let Ok(hits) =
-                        state
-                            .cache
-                            .admit(tokens, &digests, extras, hit_cap, &mut holding)
-                    {
+                    if let Ok(hits) = state.cache.admit(&digests, hit_cap, &mut holding) {
                         state.waiting -= 1;
                         state.running += 1;
                         let cached_tokens = hits * block_size;
@@ -211,6 +223,7 @@ impl Engine {
                         return Ok(Admission {
                             holding,
                             cached_tokens,
+                            digests,
                         });
                     }
                 }
@@ -219,14 +232,23 @@ impl Engine {
         }
     }
 
-    /// Runs the prefill of an admitted prompt: prefills share the engine one at a time.
-    pub async fn prefill(&self, prompt_tokens: usize, admission: &Admission) {
-        let duration = self.time.prefill(prompt_tokens, admission.cached_tokens);
-        if duration.is_zero() {
-            return;
+    /// Runs the prefill of an admitted prompt: prefills share the engine one at a time,
+    /// and a request whose prefill has not started counts as waiting (vLLM's scheduler
+    /// keeps it in its waiting queue until its prefill is scheduled).
+    pub async fn prefill(&self, tokens: &[u32], extras: &KeyExtras, admission: &mut Admission) {
+        let duration = self.time.prefill(tokens.len(), admission.cached_tokens);
+        if !duration.is_zero() {
+            self.state.lock().prefill_queued += 1;
+            let _lane = self.prefill_lane.lock().await;
+            self.state.lock().prefill_queued -= 1;
+            tokio::time::sleep(duration).await;
         }
-        let _lane = self.prefill_lane.lock().await;
-        tokio::time::sleep(duration).await;
+        let mut state = self.state.lock();
+        let digests = std::mem::take(&mut admission.digests);
+        state
+            .cache
+            .commit_prefill(tokens, &digests, extras, &mut admission.holding);
+        self.flush(&mut state);
     }
 
     /// One decode step.
@@ -272,8 +294,8 @@ impl Engine {
     pub fn stats(&self) -> EngineStats {
         let state = self.state.lock();
         EngineStats {
-            running: state.running,
-            waiting: state.waiting,
+            running: state.running - state.prefill_queued,
+            waiting: state.waiting + state.prefill_queued,
             kv_cache_usage: state.cache.usage(),
             prefix_queries: state.prefix_queries,
             prefix_hits: state.prefix_hits,

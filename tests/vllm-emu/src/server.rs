@@ -224,7 +224,11 @@ fn render_chat(
     .map_err(|e| ApiError::bad(e.to_string()))
 }
 
-fn check_length(app: &App, tokens: usize) -> Result<(), ApiError> {
+fn check_length(app: &App, tokens: &[u32]) -> Result<(), ApiError> {
+    app.engine
+        .check_fits(tokens)
+        .map_err(|e| ApiError::bad(e.to_string()))?;
+    let tokens = tokens.len();
     if tokens > app.max_model_len {
         return Err(ApiError::bad(format!(
             "This model's maximum context length is {} tokens. However, your request has {tokens} input tokens.",
@@ -323,13 +327,13 @@ async fn run(
     mut on_first: impl FnMut(usize),
     mut on_piece: impl FnMut(&(Option<&'static str>, String)),
 ) -> Result<usize, ApiError> {
-    let admission = app
+    let mut admission = app
         .engine
         .admit(prompt, extras)
         .await
         .map_err(|e| ApiError::bad(e.to_string()))?;
     let cached = admission.cached_tokens;
-    app.engine.prefill(prompt.len(), &admission).await;
+    app.engine.prefill(prompt, extras, &mut admission).await;
     on_first(cached);
     for piece in &output.pieces {
         app.engine.decode_step().await;
@@ -377,7 +381,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
         &kwargs,
     )?;
     let prompt = tokenizer::token_ids(&text);
-    check_length(&app, prompt.len())?;
+    check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_completion_tokens", "max_tokens"], 32)?;
     let calls_tool = tools.as_ref().is_some_and(|t| !t.is_empty())
         && body.get("tool_choice").and_then(Value::as_str) != Some("none")
@@ -487,7 +491,7 @@ async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Respons
             ));
         }
     };
-    check_length(&app, prompt.len())?;
+    check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_tokens"], 16)?;
     let output = generate::completion(&prompt, seed_of(&body), limit);
     let id = app.id("cmpl");
@@ -576,7 +580,7 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
         &input.chat_template_kwargs,
     )?;
     let prompt = tokenizer::token_ids(&text);
-    check_length(&app, prompt.len())?;
+    check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_output_tokens"], 32)?;
     let tool_name = input
         .tools

@@ -17,8 +17,12 @@ fn main() -> anyhow::Result<()> {
         Some("filter") => filter(),
         Some("seed") => seed(args.get(1).context("usage: bench seed OUT_DIR")?),
         Some("load") => load(),
+        Some("scenarios") => scenarios(
+            args.get(1).context("usage: bench scenarios OUT_DIR")?,
+            args.get(2),
+        ),
         Some("ingest") => ingest(),
-        _ => bail!("usage: bench filter | load | ingest | seed OUT_DIR"),
+        _ => bail!("usage: bench filter | load | ingest | seed OUT_DIR | scenarios OUT_DIR [NAME]"),
     }
 }
 
@@ -477,5 +481,106 @@ fn ingest() -> anyhow::Result<()> {
         ms(latencies.quantile(0.5)),
         ms(latencies.quantile(0.99)),
     );
+    Ok(())
+}
+
+/// `bench scenarios OUT_DIR [NAME]`: every scenario (or one) under every profile.
+fn scenarios(out: &str, only: Option<&String>) -> anyhow::Result<()> {
+    use kvaffine_e2e::scenarios::{self, PROFILES, Profile, Run};
+    let out = std::path::Path::new(out);
+    std::fs::create_dir_all(out)?;
+    let started = std::time::Instant::now();
+    let mut runs: Vec<Run> = Vec::new();
+    for scenario in scenarios::all() {
+        if only.is_some_and(|o| o != scenario.name) {
+            continue;
+        }
+        eprintln!("scenario {} ...", scenario.name);
+        if scenario.name == "event-lag" {
+            for lag in [0u64, 100, 500, 2000] {
+                let lagged = scenarios::Scenario {
+                    replica_args: vec!["--event-lag-ms".into(), lag.to_string()],
+                    ..scenario
+                };
+                for (profile, variant) in [
+                    (PROFILES[2], format!(", booking on, lag {lag} ms")),
+                    (
+                        Profile {
+                            book: false,
+                            ..PROFILES[2]
+                        },
+                        format!(", booking off, lag {lag} ms"),
+                    ),
+                ] {
+                    runs.push(scenarios::run(&lagged, profile, &variant, 1)?);
+                }
+            }
+            continue;
+        }
+        let daemons = if scenario.name == "daemon-failover" {
+            2
+        } else {
+            1
+        };
+        for profile in PROFILES {
+            runs.push(scenarios::run(&scenario, profile, "", daemons)?);
+        }
+    }
+    let mut md = String::new();
+    writeln!(
+        md,
+        "| scenario | profile | requests | failed | KV hit | oracle | TTFT p50 | TTFT p99 | throughput | imbalance |"
+    )?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|")?;
+    let mut json_runs = Vec::new();
+    for run in &runs {
+        let f = run.figures();
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.1}% | {:.1}% | {:.0} ms | {:.0} ms | {:.1} req/s | {:.2} |",
+            run.scenario,
+            run.profile,
+            f.requests,
+            f.failed,
+            f.hit_pct,
+            f.oracle_pct,
+            f.ttft_p50_ms,
+            f.ttft_p99_ms,
+            f.throughput,
+            f.imbalance
+        )?;
+        json_runs.push(json!({"scenario": run.scenario, "profile": run.profile, "requests": f.requests,
+            "failed": f.failed, "hit_pct": f.hit_pct, "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
+            "ttft_p99_ms": f.ttft_p99_ms, "throughput_rps": f.throughput, "imbalance": f.imbalance}));
+    }
+    for scenario in scenarios::all() {
+        let rows: Vec<(String, f64, f64)> = runs
+            .iter()
+            .filter(|r| r.scenario == scenario.name)
+            .map(|r| {
+                let f = r.figures();
+                (
+                    r.profile
+                        .replace(", booking ", "\nbooking ")
+                        .replace(", lag", "\nlag"),
+                    f.hit_pct,
+                    f.oracle_pct,
+                )
+            })
+            .collect();
+        if !rows.is_empty() {
+            kvaffine_e2e::chart::scenario_chart(
+                &out.join(format!("{}.svg", scenario.name)),
+                scenario.about,
+                &rows,
+            )?;
+        }
+    }
+    std::fs::write(
+        out.join("scenarios.json"),
+        serde_json::to_string_pretty(&json!({"runs": json_runs}))? + "\n",
+    )?;
+    println!("{md}");
+    eprintln!("all scenarios in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }

@@ -1,0 +1,518 @@
+//! The production scenarios the reference measurement could not show. Each runs every
+//! routing profile on a fresh stack (empty caches), through the real gateway, and reports
+//! KV hit rate against the oracle (the longest prefix any replica held when the request was
+//! sent), TTFT, throughput, load imbalance and failed requests.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::session::{Session, TurnResult, turn};
+use crate::{Stack, StackConfig};
+
+/// A routing profile and the route prefix that selects it.
+#[derive(Clone, Copy)]
+pub struct Profile {
+    /// Name in the tables.
+    pub name: &'static str,
+    /// Route prefix in `envoy/gateway.yaml`.
+    pub prefix: &'static str,
+    /// Book picks (the filter's `book`).
+    pub book: bool,
+}
+
+/// The three profiles every scenario compares.
+pub const PROFILES: [Profile; 3] = [
+    Profile {
+        name: "load-only",
+        prefix: "/least-request/",
+        book: true,
+    },
+    Profile {
+        name: "approximate",
+        prefix: "/approximate/",
+        book: true,
+    },
+    Profile {
+        name: "precise",
+        prefix: "/",
+        book: true,
+    },
+];
+
+/// One scenario run under one profile.
+pub struct Run {
+    /// Scenario name.
+    pub scenario: String,
+    /// Profile name (with a variant, e.g. the event lag).
+    pub profile: String,
+    /// Every request.
+    pub turns: Vec<TurnResult>,
+    /// Wall time of the workload.
+    pub wall: Duration,
+    /// Replica addresses.
+    pub replicas: Vec<String>,
+}
+
+/// The figures of a run.
+pub struct Figures {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed.
+    pub failed: usize,
+    /// Cached prompt tokens / prompt tokens, percent.
+    pub hit_pct: f64,
+    /// The oracle's cached tokens / prompt tokens, percent.
+    pub oracle_pct: f64,
+    /// TTFT median.
+    pub ttft_p50_ms: f64,
+    /// TTFT 99th percentile.
+    pub ttft_p99_ms: f64,
+    /// Successful requests per second.
+    pub throughput: f64,
+    /// Most requests on one replica / mean per replica.
+    pub imbalance: f64,
+}
+
+impl Run {
+    /// Summarises the run.
+    pub fn figures(&self) -> Figures {
+        let ok: Vec<&TurnResult> = self.turns.iter().filter(|t| t.ok).collect();
+        let prompt: u64 = ok.iter().map(|t| t.prompt_tokens).sum();
+        let cached: u64 = ok.iter().map(|t| t.cached_tokens).sum();
+        let oracle: u64 = ok
+            .iter()
+            .map(|t| t.oracle_tokens.max(t.cached_tokens))
+            .sum();
+        let mut ttft: Vec<Duration> = ok.iter().map(|t| t.ttft).collect();
+        ttft.sort();
+        let q = |p: f64| {
+            ttft.get(((ttft.len().max(1) - 1) as f64 * p).round() as usize)
+                .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+        };
+        let mut per_replica: HashMap<&str, usize> =
+            self.replicas.iter().map(|r| (r.as_str(), 0)).collect();
+        for t in &ok {
+            *per_replica.entry(t.replica.as_str()).or_default() += 1;
+        }
+        let max = per_replica.values().copied().max().unwrap_or(0) as f64;
+        let mean = ok.len() as f64 / self.replicas.len().max(1) as f64;
+        Figures {
+            requests: self.turns.len(),
+            failed: self.turns.len() - ok.len(),
+            hit_pct: 100.0 * cached as f64 / prompt.max(1) as f64,
+            oracle_pct: 100.0 * oracle as f64 / prompt.max(1) as f64,
+            ttft_p50_ms: q(0.5),
+            ttft_p99_ms: q(0.99),
+            throughput: ok.len() as f64 / self.wall.as_secs_f64().max(1e-9),
+            imbalance: if mean > 0.0 { max / mean } else { 0.0 },
+        }
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Exponential inter-arrival time with mean `mean`.
+    fn exponential(&mut self, mean: Duration) -> Duration {
+        let u = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        mean.mul_f64(-u.ln())
+    }
+}
+
+/// `words` words of text seeded by `seed`: letters only, so about one token each.
+pub fn text(words: usize, seed: u64) -> String {
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    (0..words)
+        .map(|_| {
+            let len = 3 + rng.next() % 5;
+            (0..len)
+                .map(|_| char::from(b'a' + (rng.next() % 26) as u8))
+                .collect::<String>()
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn tools(n: usize) -> Value {
+    json!(
+        (0..n)
+            .map(|i| json!({"type": "function", "function": {
+        "name": format!("tool_{i}"), "description": "look something up",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}))
+            .collect::<Vec<_>>()
+    )
+}
+
+/// Everything one workload needs to send requests.
+pub struct Ctx {
+    /// The gateway URL of the profile's route.
+    pub url: String,
+    /// Replica addresses (for the oracle).
+    pub replicas: Vec<String>,
+    /// HTTP client.
+    pub client: reqwest::Client,
+}
+
+async fn sessions_interleaved(ctx: &Ctx, sessions: &mut [Session], rounds: usize) {
+    for round in 0..rounds {
+        for (i, session) in sessions.iter_mut().enumerate() {
+            session
+                .step(
+                    &ctx.client,
+                    &ctx.url,
+                    &ctx.replicas,
+                    &format!("follow-up {round} of {i}"),
+                )
+                .await;
+        }
+    }
+}
+
+/// Runs sessions concurrently, each starting after an open-loop (Poisson) arrival.
+async fn sessions_open_loop(
+    ctx: &Ctx,
+    sessions: Vec<Session>,
+    turns: usize,
+    mean_gap: Duration,
+    seed: u64,
+) -> Vec<Session> {
+    let mut rng = Rng(seed | 1);
+    let mut handles = Vec::new();
+    let mut at = Duration::ZERO;
+    let start = tokio::time::Instant::now();
+    for (i, mut session) in sessions.into_iter().enumerate() {
+        at += rng.exponential(mean_gap);
+        let (url, replicas, client) = (ctx.url.clone(), ctx.replicas.clone(), ctx.client.clone());
+        handles.push(tokio::spawn(async move {
+            tokio::time::sleep_until(start + at).await;
+            for step in 0..turns {
+                session
+                    .step(
+                        &client,
+                        &url,
+                        &replicas,
+                        &format!("step {step} of session {i}"),
+                    )
+                    .await;
+            }
+            session
+        }));
+    }
+    let mut out = Vec::new();
+    for handle in handles {
+        if let Ok(session) = handle.await {
+            out.push(session);
+        }
+    }
+    out
+}
+
+fn collect(sessions: &[Session]) -> Vec<TurnResult> {
+    sessions.iter().flat_map(|s| s.results.clone()).collect()
+}
+
+/// A scenario: its name, how many replicas, extra replica flags, and the workload.
+pub struct Scenario {
+    /// Name.
+    pub name: &'static str,
+    /// What it shows.
+    pub about: &'static str,
+    /// Replicas.
+    pub replicas: usize,
+    /// Extra flags for every replica.
+    pub replica_args: Vec<String>,
+}
+
+const SYSTEM: &str = "You are a careful software agent. Think, then act.";
+
+/// Runs `scenario` under `profile`; `variant` names a profile variant (lag, booking).
+pub fn run(
+    scenario: &Scenario,
+    profile: Profile,
+    variant: &str,
+    daemons: usize,
+) -> anyhow::Result<Run> {
+    let mut replica_args: Vec<String> = vec!["--time-scale".into(), "0.2".into()];
+    replica_args.extend(scenario.replica_args.iter().cloned());
+    let mut stack = Stack::start(StackConfig {
+        replicas: scenario.replicas,
+        block_size: 16,
+        replica_args,
+        filter: json!({"book": profile.book, "timeout_ms": 500}),
+        daemons,
+        ..StackConfig::default()
+    })?;
+    let ctx = Ctx {
+        url: format!(
+            "http://{}{}v1/chat/completions",
+            stack.gateway, profile.prefix
+        ),
+        replicas: stack.replicas.iter().map(|r| r.http.clone()).collect(),
+        client: reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(64)
+            .build()?,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let start = Instant::now();
+    let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack))?;
+    let wall = start.elapsed();
+    Ok(Run {
+        scenario: scenario.name.to_owned(),
+        profile: format!("{}{variant}", profile.name),
+        turns,
+        wall,
+        replicas: ctx.replicas.clone(),
+    })
+}
+
+async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Vec<TurnResult>> {
+    Ok(match name {
+        "template-divergence" => {
+            // One team (one salt) working on the same 2k-token document in sessions whose
+            // template inputs differ: tools offered or not, reasoning effort low or high.
+            // The text is shared, the tokens are not; sessions overlap in time, so their
+            // first turns spread over the replicas.
+            let doc = text(2000, 1);
+            let sessions: Vec<Session> = (0..16)
+                .map(|i| {
+                    let mut fields = json!({"cache_salt": "team", "reasoning_effort": if i % 2 == 0 { "low" } else { "high" }});
+                    if i % 4 >= 2 {
+                        fields["tools"] = tools(2);
+                    }
+                    Session::new(SYSTEM, &format!("{doc}\nTask {i}: review the document."), fields)
+                })
+                .collect();
+            collect(&sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 3).await)
+        }
+        "concurrency" => {
+            let sessions = (0..32)
+                .map(|i| {
+                    Session::new(
+                        SYSTEM,
+                        &text(1200, 100 + i),
+                        json!({"cache_salt": format!("c{i}"), "tools": tools(3)}),
+                    )
+                })
+                .collect();
+            collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), 7).await)
+        }
+        "cache-pressure" => {
+            // Two replicas of 256 blocks x 16 tokens; twenty ~800-token sessions (about 1,000
+            // blocks: twice the fleet), visited with a skew (a few hot, many cold), so what
+            // stays cached depends on evictions the router must follow.
+            let mut sessions: Vec<Session> = (0..20)
+                .map(|i| {
+                    Session::new(
+                        SYSTEM,
+                        &text(800, 200 + i),
+                        json!({"cache_salt": format!("p{i}")}),
+                    )
+                })
+                .collect();
+            let mut rng = Rng(23);
+            for step in 0..60 {
+                // Weight 1/(i+1): session 0 is visited about five times as often as session 9.
+                let total: f64 = (1..=20).map(|i| 1.0 / f64::from(i)).sum();
+                let mut pick = (rng.next() >> 11) as f64 / (1u64 << 53) as f64 * total;
+                let mut i = 0;
+                while i < 19 && pick > 1.0 / (i as f64 + 1.0) {
+                    pick -= 1.0 / (i as f64 + 1.0);
+                    i += 1;
+                }
+                sessions[i]
+                    .step(
+                        &ctx.client,
+                        &ctx.url,
+                        &ctx.replicas,
+                        &format!("step {step}"),
+                    )
+                    .await;
+            }
+            collect(&sessions)
+        }
+        "branching" => {
+            // Three base conversations, then twelve forks from them at different depths.
+            let mut bases: Vec<Session> = (0..3)
+                .map(|i| {
+                    Session::new(
+                        SYSTEM,
+                        &text(1500, 300 + i),
+                        json!({"cache_salt": "shared"}),
+                    )
+                })
+                .collect();
+            sessions_interleaved(ctx, &mut bases, 2).await;
+            let mut forks: Vec<Session> = (0..12)
+                .map(|i| {
+                    let base = &bases[i % 3];
+                    let keep = base.messages.len() - (i / 3 % 2) * 2;
+                    let mut fork = Session::new(SYSTEM, "", base.fields.clone());
+                    fork.messages = base.messages[..keep].to_vec();
+                    fork.messages.push(json!({"role": "user", "content": format!("branch {i}: try another approach")}));
+                    fork
+                })
+                .collect();
+            sessions_interleaved(ctx, &mut forks, 2).await;
+            let mut all = collect(&bases);
+            all.extend(collect(&forks));
+            all
+        }
+        "event-lag" => {
+            // Bursts of siblings: four requests sharing a fresh 1.5k-token prefix, 150 ms apart:
+            // after the first one's prefill is done, but (with lag) before its events reach
+            // the index.
+            let mut results = Vec::new();
+            for burst in 0..6u64 {
+                let prefix = text(1500, 400 + burst);
+                let mut handles = Vec::new();
+                for sibling in 0..4u64 {
+                    let body = json!({"model": "emu-model", "cache_salt": format!("burst{burst}"), "max_tokens": 8,
+                        "messages": [{"role": "system", "content": SYSTEM},
+                                     {"role": "user", "content": format!("{prefix}\nsibling {sibling}")}]});
+                    let (client, url, replicas) =
+                        (ctx.client.clone(), ctx.url.clone(), ctx.replicas.clone());
+                    handles.push(tokio::spawn(async move {
+                        turn(&client, &url, &replicas, &body).await
+                    }));
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+                for handle in handles {
+                    results.extend(handle.await.ok());
+                }
+            }
+            results
+        }
+        "replica-restart" => {
+            let sessions: Vec<Session> = (0..12)
+                .map(|i| {
+                    Session::new(
+                        SYSTEM,
+                        &text(1200, 500 + i),
+                        json!({"cache_salt": format!("r{i}")}),
+                    )
+                })
+                .collect();
+            let (url, replicas, client) =
+                (ctx.url.clone(), ctx.replicas.clone(), ctx.client.clone());
+            let inner = Ctx {
+                url,
+                replicas,
+                client,
+            };
+            let run = tokio::spawn(async move {
+                sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), 11).await
+            });
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let replica = &mut stack.replicas[0];
+            tokio::task::block_in_place(|| replica.restart());
+            collect(&run.await.unwrap_or_default())
+        }
+        "daemon-failover" => {
+            let sessions: Vec<Session> = (0..12)
+                .map(|i| {
+                    Session::new(
+                        SYSTEM,
+                        &text(1200, 600 + i),
+                        json!({"cache_salt": format!("d{i}")}),
+                    )
+                })
+                .collect();
+            let (url, replicas, client) =
+                (ctx.url.clone(), ctx.replicas.clone(), ctx.client.clone());
+            let inner = Ctx {
+                url,
+                replicas,
+                client,
+            };
+            let run = tokio::spawn(async move {
+                sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), 13).await
+            });
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            tokio::task::block_in_place(|| stack.kill_daemon());
+            collect(&run.await.unwrap_or_default())
+        }
+        "hot-system-prompt" => {
+            // Every session opens with the same 2.5k-token system prompt (one tenant).
+            let system = text(2500, 700);
+            let sessions = (0..24)
+                .map(|i| {
+                    let mut s = Session::new(
+                        &system,
+                        &format!("question {i}: {}", text(100, 800 + i)),
+                        json!({}),
+                    );
+                    s.fields = json!({});
+                    s
+                })
+                .collect();
+            collect(&sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 17).await)
+        }
+        other => anyhow::bail!("unknown scenario {other}"),
+    })
+}
+
+/// The eight scenarios.
+pub fn all() -> Vec<Scenario> {
+    let plain = |name, about, replicas| Scenario {
+        name,
+        about,
+        replicas,
+        replica_args: Vec::new(),
+    };
+    vec![
+        plain(
+            "template-divergence",
+            "one team, one document; tools and reasoning effort differ between sessions and turns, earlier reasoning dropped by the template",
+            2,
+        ),
+        plain(
+            "concurrency",
+            "32 concurrent agent sessions with tool calls on 4 replicas, Poisson arrivals",
+            4,
+        ),
+        Scenario {
+            name: "cache-pressure",
+            about: "working set twice the fleet's KV capacity: evictions and BlockRemoved",
+            replicas: 2,
+            replica_args: vec!["--num-gpu-blocks".into(), "256".into()],
+        },
+        plain(
+            "branching",
+            "twelve forks of three shared histories at different depths",
+            2,
+        ),
+        plain(
+            "event-lag",
+            "bursts of four siblings sharing a fresh prefix, KV events delayed",
+            2,
+        ),
+        plain(
+            "replica-restart",
+            "a replica killed and restarted in the middle of the run",
+            2,
+        ),
+        plain(
+            "daemon-failover",
+            "two kvaffined active-active, one killed in the middle of the run",
+            2,
+        ),
+        plain(
+            "hot-system-prompt",
+            "one 2.5k-token system prompt shared by every session, 4 replicas",
+            4,
+        ),
+    ]
+}

@@ -128,31 +128,25 @@ fn item_message(item: &Value) -> Result<Value, RequestError> {
             return Ok(json!({"role": role, "content": content}));
         }
     }
+    // A call as one assistant turn; custom tools carry their input where functions carry
+    // arguments.
+    let call = |arguments: &str| {
+        json!({
+            "role": "assistant",
+            "content": null,
+            "tool_calls": [{
+                "id": string_field(item, "call_id"),
+                "type": "function",
+                "function": {
+                    "name": string_field(item, "name"),
+                    "arguments": string_field(item, arguments),
+                },
+            }],
+        })
+    };
     match kind {
-        Some("function_call") => Ok(json!({
-            "role": "assistant",
-            "content": null,
-            "tool_calls": [{
-                "id": string_field(item, "call_id"),
-                "type": "function",
-                "function": {
-                    "name": string_field(item, "name"),
-                    "arguments": string_field(item, "arguments"),
-                },
-            }],
-        })),
-        Some("custom_tool_call") => Ok(json!({
-            "role": "assistant",
-            "content": null,
-            "tool_calls": [{
-                "id": string_field(item, "call_id"),
-                "type": "function",
-                "function": {
-                    "name": string_field(item, "name"),
-                    "arguments": string_field(item, "input"),
-                },
-            }],
-        })),
+        Some("function_call") => Ok(call("arguments")),
+        Some("custom_tool_call") => Ok(call("input")),
         Some("function_call_output") | Some("custom_tool_call_output") => Ok(json!({
             "role": "tool",
             "tool_call_id": string_field(item, "call_id"),

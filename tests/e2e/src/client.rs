@@ -6,6 +6,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::Value;
+use vllm_emu::harness::dechunk;
 
 /// A response.
 pub struct Reply {
@@ -117,17 +118,4 @@ fn parse(raw: &[u8]) -> Reply {
         headers,
         body,
     }
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(rest.get(..size).unwrap_or(""));
-        body = rest.get(size + 2..).unwrap_or("");
-    }
-    out
 }

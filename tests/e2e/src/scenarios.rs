@@ -216,6 +216,32 @@ async fn sessions_open_loop(
     out
 }
 
+/// When the fault scenarios inject their fault.
+const FAULT_AT: Duration = Duration::from_millis(1500);
+
+/// The workload the fault scenarios run through their fault: twelve sessions of six turns.
+fn faulted_sessions(
+    ctx: &Ctx,
+    seed: u64,
+    arrivals: u64,
+) -> impl Future<Output = Vec<Session>> + Send + 'static {
+    let sessions: Vec<Session> = (0..12)
+        .map(|i| {
+            Session::new(
+                SYSTEM,
+                &text(1200, seed + i),
+                json!({"cache_salt": format!("f{seed}-{i}")}),
+            )
+        })
+        .collect();
+    let inner = Ctx {
+        url: ctx.url.clone(),
+        replicas: ctx.replicas.clone(),
+        client: ctx.client.clone(),
+    };
+    async move { sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), arrivals).await }
+}
+
 fn collect(sessions: &[Session]) -> Vec<TurnResult> {
     sessions.iter().flat_map(|s| s.results.clone()).collect()
 }
@@ -396,51 +422,15 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
             results
         }
         "replica-restart" => {
-            let sessions: Vec<Session> = (0..12)
-                .map(|i| {
-                    Session::new(
-                        SYSTEM,
-                        &text(1200, 500 + i),
-                        json!({"cache_salt": format!("r{i}")}),
-                    )
-                })
-                .collect();
-            let (url, replicas, client) =
-                (ctx.url.clone(), ctx.replicas.clone(), ctx.client.clone());
-            let inner = Ctx {
-                url,
-                replicas,
-                client,
-            };
-            let run = tokio::spawn(async move {
-                sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), 11).await
-            });
-            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let run = tokio::spawn(faulted_sessions(ctx, 500, 11));
+            tokio::time::sleep(FAULT_AT).await;
             let replica = &mut stack.replicas[0];
             tokio::task::block_in_place(|| replica.restart());
             collect(&run.await.unwrap_or_default())
         }
         "daemon-failover" => {
-            let sessions: Vec<Session> = (0..12)
-                .map(|i| {
-                    Session::new(
-                        SYSTEM,
-                        &text(1200, 600 + i),
-                        json!({"cache_salt": format!("d{i}")}),
-                    )
-                })
-                .collect();
-            let (url, replicas, client) =
-                (ctx.url.clone(), ctx.replicas.clone(), ctx.client.clone());
-            let inner = Ctx {
-                url,
-                replicas,
-                client,
-            };
-            let run = tokio::spawn(async move {
-                sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), 13).await
-            });
-            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let run = tokio::spawn(faulted_sessions(ctx, 600, 13));
+            tokio::time::sleep(FAULT_AT).await;
             tokio::task::block_in_place(|| stack.kill_daemon());
             collect(&run.await.unwrap_or_default())
         }

@@ -363,6 +363,14 @@ fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>) -> Response {
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+/// The model a response names: the request's, or the served one.
+fn model_name(app: &App, body: &Value) -> String {
+    body.get("model")
+        .and_then(Value::as_str)
+        .unwrap_or(&app.model)
+        .to_owned()
+}
+
 fn seed_of(body: &Value) -> u64 {
     body.get("seed").and_then(Value::as_u64).unwrap_or(0)
 }
@@ -405,11 +413,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
     );
     let id = app.id("chatcmpl");
     let created = now() as u64;
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or(&app.model)
-        .to_owned();
+    let model = model_name(&app, &body);
     if flag(&body, "stream", false)? {
         let include_usage = body
             .pointer("/stream_options/include_usage")
@@ -496,11 +500,7 @@ async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Respons
     let output = generate::completion(&prompt, seed_of(&body), limit);
     let id = app.id("cmpl");
     let created = now() as u64;
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or(&app.model)
-        .to_owned();
+    let model = model_name(&app, &body);
     if flag(&body, "stream", false)? {
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(async move {

@@ -206,15 +206,30 @@ fn events_are_vllm_batches_and_their_keys_are_kvaffines() {
     let keys = KeyConfig::new(HashAlgo::Sha256Cbor, 16, None, VllmCompat::V0_31).unwrap();
     // Publish until the subscription is live (ZMQ drops messages before it joins).
     let mut received = Vec::new();
+    // A new prompt each attempt (a cached one publishes nothing) until the subscription
+    // has seen a BlockStored.
+    let stored_batch = |received: &[(u64, Vec<u8>)]| {
+        received
+            .iter()
+            .find(|(_, p)| {
+                matches!(
+                    events::decode_batch(p).map(|b| b.events.into_iter().next()),
+                    Ok(Some(KvEvent::BlockStored(_)))
+                )
+            })
+            .cloned()
+    };
+    let mut attempt = 0;
     wait_for("a first batch", || {
+        attempt += 1;
         chat(
             &emu,
-            json!({"messages": [user(&long_text(60, 4))], "cache_salt": "t", "max_tokens": 4}),
+            json!({"messages": [user(&long_text(60, 4 + attempt))], "cache_salt": "t", "max_tokens": 4}),
         );
-        received = sub.drain(Duration::from_millis(100));
-        !received.is_empty()
+        received.extend(sub.drain(Duration::from_millis(100)));
+        stored_batch(&received).is_some()
     });
-    let (_, payload) = &received[0];
+    let (_, payload) = &stored_batch(&received).unwrap();
     let batch = events::decode_batch(payload).unwrap();
     assert_eq!(
         events::encode_batch(&batch, EventFormat::Map),
@@ -270,10 +285,12 @@ fn opaque_engine_hashes_and_positional_events_are_what_older_setups_publish() {
     let emu = EmuProcess::start(&["--engine-hash", "opaque", "--event-format", "positional"]);
     let sub = Events::subscribe(&emu.events);
     let mut received = Vec::new();
+    let mut attempt = 0;
     wait_for("a first batch", || {
+        attempt += 1;
         chat(
             &emu,
-            json!({"messages": [user(&long_text(200, 5))], "max_tokens": 2}),
+            json!({"messages": [user(&long_text(200, 5 + attempt))], "max_tokens": 2}),
         );
         received = sub.drain(Duration::from_millis(100));
         !received.is_empty()
@@ -300,13 +317,15 @@ fn a_restart_starts_seq_at_zero_with_an_empty_cache() {
     emu.restart();
     let sub = Events::subscribe(&emu.events);
     let mut received = Vec::new();
-    let mut first_answer = None;
+    // A new prompt each attempt: a cached one would publish nothing, and the subscription
+    // may join after the first.
+    let mut attempt = 0;
     wait_for("the restarted replica's events", || {
-        let answer = chat(
+        attempt += 1;
+        chat(
             &emu,
-            json!({"messages": [user(&long_text(50, 99))], "max_tokens": 2}),
+            json!({"messages": [user(&long_text(50, 99 + attempt))], "max_tokens": 2}),
         );
-        first_answer.get_or_insert(answer);
         received.extend(sub.drain(Duration::from_millis(100)));
         !received.is_empty()
     });

@@ -63,10 +63,15 @@ fn a_live_gap_is_filled_by_replay() {
     daemon.wait_ready();
     let (lost, after) = (prompt(10, 3), prompt(11, 2));
     p.publish_lost(&batch(vec![stored(&lost, 0, own)])).unwrap();
+    let published = std::time::Instant::now();
     p.publish(&batch(vec![stored(&after, 0, own)])).unwrap();
     wait_for("the lost batch, replayed", || {
         daemon.matched(&keys(&lost), A) == 3
     });
+    println!(
+        "event gap: the lost batch was replayed and indexed {:?} after the next one was published",
+        published.elapsed()
+    );
     assert_eq!(daemon.matched(&keys(&after), A), 2);
     assert!(daemon.metric("kvaffined_replays_total{endpoint=\"127.0.0.1:1\"}") >= 2.0);
     assert_eq!(daemon.endpoint_status(A)["incomplete"], json!(null));

@@ -400,3 +400,49 @@ fn sse_responses_stream_through_unbuffered() {
         "first chunk after {first:?}, stream done after {last:?}"
     );
 }
+
+#[test]
+fn the_shipped_envoy_configs_pass_envoys_own_validation() {
+    use kvaffine_e2e::{ecds_yaml, envoy_binary, root, wasm_path};
+    let dir = std::env::temp_dir().join(format!("kvaffine-validate-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("ecds")).unwrap();
+    let filter =
+        json!({"tokenizer_cluster": "tokenizer", "index_cluster": "kvaffined", "block_size": 64});
+    let ecds = dir.join("ecds/kvaffine.yaml");
+    std::fs::write(&ecds, ecds_yaml(&filter, &wasm_path()).unwrap()).unwrap();
+    let endpoints =
+        "[{endpoint: {address: {socket_address: {address: 10.0.0.5, port_value: 8000}}}}]";
+    let gateway = std::fs::read_to_string(root().join("envoy/gateway.yaml"))
+        .unwrap()
+        .replace("{{ADMIN_PORT}}", "9901")
+        .replace("{{GATEWAY_PORT}}", "8080")
+        .replace("{{ECDS_PATH}}", &ecds.display().to_string())
+        .replace("{{ECDS_DIR}}", &dir.join("ecds").display().to_string())
+        .replace("{{POOL_ENDPOINTS}}", endpoints)
+        .replace(
+            "{{DAEMON_ENDPOINTS}}",
+            "[{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 9100}}}}]",
+        );
+    assert!(
+        gateway
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .all(|l| !l.contains("{{")),
+        "every placeholder is filled"
+    );
+    let config = dir.join("gateway.yaml");
+    std::fs::write(&config, gateway).unwrap();
+    let out = std::process::Command::new(envoy_binary().unwrap())
+        .args(["--mode", "validate", "--use-dynamic-base-id", "-c"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("OK"), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

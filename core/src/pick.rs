@@ -13,8 +13,8 @@ pub struct Load {
     pub waiting: u32,
     /// `vllm:kv_cache_usage_perc`, a fraction 0-1.
     pub kv_cache_usage: f64,
-    /// Prompt tokens routed to the replica recently that it has not reported cached yet:
-    /// prefill work it has queued or in flight.
+    /// Prefill work (uncached-token equivalents) routed to the replica and not yet done
+    /// by its estimated prefill speed: the queue a new request would wait behind.
     pub pending_prefill_tokens: u64,
 }
 

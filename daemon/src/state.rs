@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use kvaffine_core::{Candidate, Load, PickReason};
+use kvaffine_core::{Candidate, Load};
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 
@@ -340,11 +340,7 @@ impl Daemon {
             endpoints: answers,
             ranked,
             index: if complete { "complete" } else { "incomplete" },
-            reason: if endpoints.is_empty() {
-                PickReason::NoCandidates.as_str()
-            } else {
-                reason.as_str()
-            },
+            reason: reason.as_str(),
             booked,
         }
     }

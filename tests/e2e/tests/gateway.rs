@@ -85,6 +85,11 @@ fn gets_pass_through_and_spoofed_destinations_never_leave_the_pool() {
         };
         let reply = send(&stack.gateway, method, path, &spoofed, body.as_bytes());
         assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+        let served = reply.header("x-served-by").unwrap_or("");
+        assert!(
+            stack.replicas.iter().any(|r| r.http == served),
+            "{path} served by {served:?}, not a pool member"
+        );
     }
     // A spoofed destination that is a pool member is stripped too: were it honoured, every
     // request would land on it; stripped, least-request spreads them.

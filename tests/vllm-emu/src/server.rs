@@ -363,6 +363,43 @@ fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>) -> Response {
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+/// The tool the emulated model calls: the first one offered, when tools are offered (and
+/// not refused with `tool_choice: "none"`) right after a user turn.
+fn offered_tool<'a>(
+    tools: Option<&'a [Value]>,
+    messages: &[Value],
+    body: &Value,
+) -> Option<&'a str> {
+    let after_user = messages
+        .last()
+        .and_then(|m| m.get("role"))
+        .and_then(Value::as_str)
+        == Some("user");
+    let refused = body.get("tool_choice").and_then(Value::as_str) == Some("none");
+    tools?
+        .first()?
+        .pointer("/function/name")
+        .and_then(Value::as_str)
+        .filter(|_| after_user && !refused)
+}
+
+/// A Responses request as vLLM renders it: converted to chat messages, then templated.
+fn responses_prompt(
+    body: &Value,
+    previous: &[Value],
+) -> Result<(kvaffine_core::request::ChatInput, Vec<u32>), ApiError> {
+    let input = responses_chat_input(body, previous).map_err(|e| ApiError::bad(e.to_string()))?;
+    let text = render_chat(
+        &input.messages,
+        input.tools.as_deref(),
+        true,
+        false,
+        &input.chat_template_kwargs,
+    )?;
+    let prompt = tokenizer::token_ids(&text);
+    Ok((input, prompt))
+}
+
 /// The model a response names: the request's, or the served one.
 fn model_name(app: &App, body: &Value) -> String {
     body.get("model")
@@ -391,19 +428,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
     let prompt = tokenizer::token_ids(&text);
     check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_completion_tokens", "max_tokens"], 32)?;
-    let calls_tool = tools.as_ref().is_some_and(|t| !t.is_empty())
-        && body.get("tool_choice").and_then(Value::as_str) != Some("none")
-        && messages
-            .last()
-            .and_then(|m| m.get("role"))
-            .and_then(Value::as_str)
-            == Some("user");
-    let tool_name = tools
-        .as_ref()
-        .and_then(|t| t.first())
-        .and_then(|t| t.pointer("/function/name"))
-        .and_then(Value::as_str)
-        .filter(|_| calls_tool);
+    let tool_name = offered_tool(tools.as_deref(), messages, &body);
     let output = generate::chat(
         &prompt,
         seed_of(&body),
@@ -571,31 +596,10 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
                 param: Some("previous_response_id"),
             })?,
     };
-    let input = responses_chat_input(&body, &previous).map_err(|e| ApiError::bad(e.to_string()))?;
-    let text = render_chat(
-        &input.messages,
-        input.tools.as_deref(),
-        true,
-        false,
-        &input.chat_template_kwargs,
-    )?;
-    let prompt = tokenizer::token_ids(&text);
+    let (input, prompt) = responses_prompt(&body, &previous)?;
     check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_output_tokens"], 32)?;
-    let tool_name = input
-        .tools
-        .as_ref()
-        .and_then(|t| t.first())
-        .and_then(|t| t.pointer("/function/name"))
-        .and_then(Value::as_str)
-        .filter(|_| {
-            input
-                .messages
-                .last()
-                .and_then(|m| m.get("role"))
-                .and_then(Value::as_str)
-                == Some("user")
-        });
+    let tool_name = offered_tool(input.tools.as_deref(), &input.messages, &body);
     let output = generate::chat(
         &prompt,
         seed_of(&body),
@@ -685,15 +689,7 @@ async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
             "previous_response_id is not supported by the render endpoint",
         ));
     }
-    let input = responses_chat_input(&body, &[]).map_err(|e| ApiError::bad(e.to_string()))?;
-    let text = render_chat(
-        &input.messages,
-        input.tools.as_deref(),
-        true,
-        false,
-        &input.chat_template_kwargs,
-    )?;
-    let tokens = tokenizer::token_ids(&text);
+    let (_, tokens) = responses_prompt(&body, &[])?;
     Ok(axum::Json(json!({
         "request_id": app.id("render"),
         "token_ids": tokens,

@@ -172,41 +172,46 @@ fn filter() -> anyhow::Result<()> {
         ("32 KB", 32 * 1024),
         ("220 KB", 220 * 1024),
     ] {
-        let body = chat_body(bytes, "t");
+        let body = chat_body(bytes, "t").to_string().into_bytes();
         let url = format!("http://{}/tokenize", stack.replicas[0].http);
-        let (latencies, _) = runtime.block_on(closed_loop(
-            &client,
-            &url,
-            same(body.to_string().into_bytes()),
-            200,
-            1,
-        ));
-        writeln!(
-            out,
-            "| vllm-emu `/tokenize` | {label} prompt | {:.2} ms | {:.2} ms |",
-            ms(latencies.quantile(0.5)),
-            ms(latencies.quantile(0.99))
+        let latencies = runtime
+            .block_on(closed_loop(&client, &url, same(body), 200, 1))
+            .0;
+        callout_row(
+            &mut out,
+            "vllm-emu `/tokenize`",
+            &format!("{label} prompt"),
+            &latencies,
         )?;
     }
     for keys in [32usize, 512, 3500] {
         let lookup = json!({"keys": (0..keys as u64).collect::<Vec<_>>(), "book": {}});
         let url = format!("http://{}/v1/lookup", stack.daemon_addr);
-        let (latencies, _) = runtime.block_on(closed_loop(
-            &client,
-            &url,
-            same(lookup.to_string().into_bytes()),
-            500,
-            1,
-        ));
-        writeln!(
-            out,
-            "| kvaffined `/v1/lookup` | {keys} keys | {:.2} ms | {:.2} ms |",
-            ms(latencies.quantile(0.5)),
-            ms(latencies.quantile(0.99))
+        let body = same(lookup.to_string().into_bytes());
+        let latencies = runtime.block_on(closed_loop(&client, &url, body, 500, 1)).0;
+        callout_row(
+            &mut out,
+            "kvaffined `/v1/lookup`",
+            &format!("{keys} keys"),
+            &latencies,
         )?;
     }
     println!("{out}");
     Ok(())
+}
+
+fn callout_row(
+    out: &mut String,
+    what: &str,
+    size: &str,
+    latencies: &Latencies,
+) -> std::fmt::Result {
+    writeln!(
+        out,
+        "| {what} | {size} | {:.2} ms | {:.2} ms |",
+        ms(latencies.quantile(0.5)),
+        ms(latencies.quantile(0.99))
+    )
 }
 
 fn seed(out: &str) -> anyhow::Result<()> {

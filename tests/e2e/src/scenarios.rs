@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use vllm_emu::rng::XorShift64;
 
 use crate::session::{Session, TurnResult, turn};
 use crate::{Stack, StackConfig};
@@ -111,31 +112,20 @@ impl Run {
     }
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Exponential inter-arrival time with mean `mean`.
-    fn exponential(&mut self, mean: Duration) -> Duration {
-        let u = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-        mean.mul_f64(-u.ln())
-    }
+/// Exponential inter-arrival time with mean `mean`.
+fn exponential(rng: &mut XorShift64, mean: Duration) -> Duration {
+    let u = ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+    mean.mul_f64(-u.ln())
 }
 
 /// `words` words of text seeded by `seed`: letters only, so about one token each.
 pub fn text(words: usize, seed: u64) -> String {
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut rng = XorShift64::from_state(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     (0..words)
         .map(|_| {
-            let len = 3 + rng.next() % 5;
+            let len = 3 + rng.next_u64() % 5;
             (0..len)
-                .map(|_| char::from(b'a' + (rng.next() % 26) as u8))
+                .map(|_| char::from(b'a' + (rng.next_u64() % 26) as u8))
                 .collect::<String>()
         })
         .collect::<Vec<_>>()
@@ -185,12 +175,12 @@ async fn sessions_open_loop(
     mean_gap: Duration,
     seed: u64,
 ) -> Vec<Session> {
-    let mut rng = Rng(seed | 1);
+    let mut rng = XorShift64::from_state(seed | 1);
     let mut handles = Vec::new();
     let mut at = Duration::ZERO;
     let start = tokio::time::Instant::now();
     for (i, mut session) in sessions.into_iter().enumerate() {
-        at += rng.exponential(mean_gap);
+        at += exponential(&mut rng, mean_gap);
         let (url, replicas, client) = (ctx.url.clone(), ctx.replicas.clone(), ctx.client.clone());
         handles.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + at).await;
@@ -348,11 +338,11 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
                     )
                 })
                 .collect();
-            let mut rng = Rng(23);
+            let mut rng = XorShift64::from_state(23);
             for step in 0..60 {
                 // Weight 1/(i+1): session 0 is visited about five times as often as session 9.
                 let total: f64 = (1..=20).map(|i| 1.0 / f64::from(i)).sum();
-                let mut pick = (rng.next() >> 11) as f64 / (1u64 << 53) as f64 * total;
+                let mut pick = rng.unit() * total;
                 let mut i = 0;
                 while i < 19 && pick > 1.0 / (i as f64 + 1.0) {
                     pick -= 1.0 / (i as f64 + 1.0);

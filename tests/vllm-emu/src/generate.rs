@@ -3,6 +3,7 @@
 
 use serde_json::{Value, json};
 
+use crate::rng::XorShift64;
 use crate::template::assistant_body;
 use crate::tokenizer;
 
@@ -31,19 +32,12 @@ pub struct Output {
     pub pieces: Vec<(Option<&'static str>, String)>,
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn words(&mut self, n: usize) -> String {
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            out.push(WORDS[(self.0 % WORDS.len() as u64) as usize]);
-        }
-        out.join(" ")
-    }
+/// `n` words drawn from [`WORDS`].
+fn words(rng: &mut XorShift64, n: usize) -> String {
+    (0..n)
+        .map(|_| WORDS[(rng.next_u64() % WORDS.len() as u64) as usize])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn seed_of(prompt: &[u32], seed: u64) -> u64 {
@@ -78,12 +72,12 @@ pub fn chat(
     let mut content_words = if tool.is_some() { 0 } else { max_tokens / 2 };
     let mut finish = if tool.is_some() { "tool_calls" } else { "stop" };
     loop {
-        let mut rng = Rng(seed_of(prompt, seed));
-        let reasoning = (reasoning_words > 0).then(|| rng.words(reasoning_words));
-        let content = rng.words(content_words);
+        let mut rng = XorShift64::from_state(seed_of(prompt, seed));
+        let reasoning = (reasoning_words > 0).then(|| words(&mut rng, reasoning_words));
+        let content = words(&mut rng, content_words);
         let tool_call = tool.map(|name| {
-            let call = format!("call_{:016x}", rng.0);
-            let arguments = json!({"query": rng.words(2)}).to_string();
+            let call = format!("call_{:016x}", rng.state());
+            let arguments = json!({"query": words(&mut rng, 2)}).to_string();
             (call, name.to_owned(), arguments)
         });
         let mut output = Output {
@@ -133,8 +127,8 @@ pub fn chat(
 
 /// A completion: `max_tokens` words continuing the prompt.
 pub fn completion(prompt: &[u32], seed: u64, max_tokens: usize) -> Output {
-    let mut rng = Rng(seed_of(prompt, seed));
-    let text = format!(" {}", rng.words(max_tokens));
+    let mut rng = XorShift64::from_state(seed_of(prompt, seed));
+    let text = format!(" {}", words(&mut rng, max_tokens));
     let pieces = tokenizer::tokenize(&text);
     Output {
         reasoning: None,

@@ -6,6 +6,7 @@
 //!   reasoning-model chat template.
 //! * [`cache`], [`engine`]: the prefix cache, admission, the latency model, events.
 //! * [`generate`]: deterministic outputs a client can carry back.
+//! * [`rng`]: the seeded generator every replayable workload shares.
 //! * [`harness`]: test support for suites that run real processes.
 //! * [`server`]: the HTTP API (`/tokenize`, chat completions, completions, Responses,
 //!   `/metrics`, `/kv_event_sources`, ...).
@@ -15,6 +16,7 @@ pub mod engine;
 pub mod generate;
 pub mod harness;
 pub mod publisher;
+pub mod rng;
 pub mod server;
 pub mod template;
 pub mod tokenizer;

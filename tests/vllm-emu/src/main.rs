@@ -114,17 +114,6 @@ fn reported(configured: &str, bound: &str) -> String {
     }
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn unit(&mut self) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Publishes the engine's event batches in order, each after the configured lag.
 async fn publish_events(
     publisher: EventPublisher,
@@ -132,7 +121,7 @@ async fn publish_events(
     lag: Duration,
     drop_rate: f64,
 ) {
-    let mut rng = Rng(0x5eed_cafe);
+    let mut rng = vllm_emu::rng::XorShift64::from_state(0x5eed_cafe);
     while let Some((created, events)) = batches.recv().await {
         let due = created + lag;
         tokio::time::sleep_until(due.into()).await;

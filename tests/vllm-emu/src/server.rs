@@ -125,12 +125,17 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
         .route("/v1/responses/render", post(responses_render))
+        .route("/v1/chat/completions/render", post(chat_render))
+        .route("/v1/completions/render", post(completion_render))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .route("/kv_event_sources", get(|State(app): State<Arc<App>>| async move { axum::Json(app.kv_event_sources.clone()) }))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/cached_tokens", post(debug_cached_tokens))
+        // Unknown paths read the request body before answering 404, so the connection
+        // stays usable for the client's next request (as uvicorn keeps it).
+        .fallback(|_: Bytes| async { (StatusCode::NOT_FOUND, axum::Json(json!({"detail": "Not Found"}))) })
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
         .with_state(app)
 }
@@ -267,9 +272,6 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, 
             &kwargs,
         )?;
         tokenizer::tokenize(&text)
-            .into_iter()
-            .map(|(id, p)| (id, p.to_owned()))
-            .collect()
     } else {
         let Some(prompt) = body.get("prompt").and_then(Value::as_str) else {
             return Err(ApiError::bad(
@@ -277,9 +279,6 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, 
             ));
         };
         tokenizer::tokenize(prompt)
-            .into_iter()
-            .map(|(id, p)| (id, p.to_owned()))
-            .collect()
     };
     let tokens: Vec<u32> = pieces.iter().map(|(id, _)| *id).collect();
     let token_strs = return_strs.then(|| pieces.iter().map(|(_, p)| p.clone()).collect::<Vec<_>>());
@@ -418,14 +417,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
     let messages = messages_of(&body)?;
     let tools = tools_of(&body)?;
     let kwargs = template_kwargs(&body).map_err(|e| ApiError::bad(e.to_string()))?;
-    let text = render_chat(
-        messages,
-        tools.as_deref(),
-        flag(&body, "add_generation_prompt", true)?,
-        flag(&body, "continue_final_message", false)?,
-        &kwargs,
-    )?;
-    let prompt = tokenizer::token_ids(&text);
+    let prompt = chat_prompt(&body)?;
     check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_completion_tokens", "max_tokens"], 32)?;
     let tool_name = offered_tool(tools.as_deref(), messages, &body);
@@ -507,19 +499,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
 async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse(&body)?;
     let extras = extras(&app, &body)?;
-    let prompt: Vec<u32> = match body.get("prompt") {
-        Some(Value::String(text)) => tokenizer::token_ids(text),
-        Some(Value::Array(ids)) if !ids.is_empty() && ids.iter().all(Value::is_u64) => ids
-            .iter()
-            .filter_map(Value::as_u64)
-            .map(|t| u32::try_from(t).map_err(|_| ApiError::bad("token ids must fit in 32 bits")))
-            .collect::<Result<_, _>>()?,
-        _ => {
-            return Err(ApiError::bad(
-                "prompt must be a string or a non-empty list of token ids",
-            ));
-        }
-    };
+    let prompt = completion_prompt(&body)?;
     check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_tokens"], 16)?;
     let output = generate::completion(&prompt, seed_of(&body), limit);
@@ -678,6 +658,67 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
 
 /// `POST /v1/responses/render` (vLLM with `--enable-scale-out`): the token ids a Responses
 /// request would be prefilled with, as a `GenerateRequest`.
+/// A chat request's prompt tokens: its messages rendered with the template.
+fn chat_prompt(body: &Value) -> Result<Vec<u32>, ApiError> {
+    let tools = tools_of(body)?;
+    let kwargs = template_kwargs(body).map_err(|e| ApiError::bad(e.to_string()))?;
+    let text = render_chat(
+        messages_of(body)?,
+        tools.as_deref(),
+        flag(body, "add_generation_prompt", true)?,
+        flag(body, "continue_final_message", false)?,
+        &kwargs,
+    )?;
+    Ok(tokenizer::token_ids(&text))
+}
+
+/// A completions request's prompt tokens: the text tokenized, or the ids given.
+fn completion_prompt(body: &Value) -> Result<Vec<u32>, ApiError> {
+    match body.get("prompt") {
+        Some(Value::String(text)) => Ok(tokenizer::token_ids(text)),
+        Some(Value::Array(ids)) if !ids.is_empty() && ids.iter().all(Value::is_u64) => ids
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|t| u32::try_from(t).map_err(|_| ApiError::bad("token ids must fit in 32 bits")))
+            .collect(),
+        _ => Err(ApiError::bad(
+            "prompt must be a string or a non-empty list of token ids",
+        )),
+    }
+}
+
+/// What vLLM's render endpoints answer (a `GenerateRequest`): the tokens a router keys.
+fn rendered(app: &App, body: &Value, tokens: Vec<u32>, max_tokens: Option<&Value>) -> Response {
+    axum::Json(json!({
+        "request_id": app.id("render"),
+        "token_ids": tokens,
+        "features": null,
+        "sampling_params": {"max_tokens": max_tokens},
+        "cache_salt": body.get("cache_salt"),
+    }))
+    .into_response()
+}
+
+/// `POST /v1/chat/completions/render` (vLLM with `--enable-scale-out`).
+async fn chat_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    let body = parse(&body)?;
+    extras(&app, &body)?;
+    let tokens = chat_prompt(&body)?;
+    let limit = body
+        .get("max_completion_tokens")
+        .filter(|v| !v.is_null())
+        .or_else(|| body.get("max_tokens"));
+    Ok(rendered(&app, &body, tokens, limit))
+}
+
+/// `POST /v1/completions/render` (vLLM with `--enable-scale-out`).
+async fn completion_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    let body = parse(&body)?;
+    extras(&app, &body)?;
+    let tokens = completion_prompt(&body)?;
+    Ok(rendered(&app, &body, tokens, body.get("max_tokens")))
+}
+
 async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse(&body)?;
     extras(&app, &body)?;
@@ -690,14 +731,7 @@ async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
         ));
     }
     let (_, tokens) = responses_prompt(&body, &[])?;
-    Ok(axum::Json(json!({
-        "request_id": app.id("render"),
-        "token_ids": tokens,
-        "features": null,
-        "sampling_params": {"max_tokens": body.get("max_output_tokens")},
-        "cache_salt": body.get("cache_salt"),
-    }))
-    .into_response())
+    Ok(rendered(&app, &body, tokens, body.get("max_output_tokens")))
 }
 
 /// Emulator only (benchmark oracles): how many prompt tokens of this chat request this

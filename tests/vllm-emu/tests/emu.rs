@@ -438,3 +438,75 @@ fn dropped_batches_never_arrive_live_but_replay_has_them() {
     }
     assert!(seqs.len() >= 3 && seqs[0] == 0, "{seqs:?}");
 }
+
+#[test]
+fn render_endpoints_answer_the_tokens_tokenize_gives() {
+    let replica = EmuProcess::start(&["--time-scale", "0"]);
+    let chat = json!({"messages": [{"role": "user", "content": "render me"}],
+                      "max_tokens": 5, "cache_salt": "tenant-a"});
+    let (_, tokenized) = replica.post("/tokenize", &chat);
+    let (status, rendered) = replica.post("/v1/chat/completions/render", &chat);
+    assert_eq!(status, 200, "{rendered}");
+    assert_eq!(rendered["token_ids"], tokenized["tokens"]);
+    assert_eq!(rendered["cache_salt"], "tenant-a");
+    assert_eq!(rendered["sampling_params"]["max_tokens"], 5);
+    let completion = json!({"prompt": "once upon a time", "max_tokens": 3});
+    let (_, tokenized) = replica.post("/tokenize", &completion);
+    let (status, rendered) = replica.post("/v1/completions/render", &completion);
+    assert_eq!(status, 200, "{rendered}");
+    assert_eq!(rendered["token_ids"], tokenized["tokens"]);
+    let (status, _) = replica.post("/v1/completions/render", &json!({"prompt": 7}));
+    assert_eq!(status, 400);
+}
+
+#[test]
+fn an_unknown_path_answers_404_and_keeps_the_connection() {
+    use std::io::{Read, Write};
+    let replica = EmuProcess::start(&["--time-scale", "0"]);
+    let mut stream = std::net::TcpStream::connect(&replica.http).unwrap();
+    let body = "x".repeat(100_000);
+    let requests = format!(
+        "POST /v1/nowhere HTTP/1.1\r\nhost: emu\r\ncontent-length: {}\r\n\r\n{body}\
+         GET /health HTTP/1.1\r\nhost: emu\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(requests.as_bytes()).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let statuses: Vec<&str> = answer
+        .match_indices("HTTP/1.1 ")
+        .filter_map(|(at, _)| answer.get(at + 9..at + 12))
+        .collect();
+    assert_eq!(statuses, ["404", "200"], "{answer}");
+}
+
+#[test]
+fn a_turn_over_budget_stops_at_exactly_max_tokens() {
+    let replica = EmuProcess::start(&["--time-scale", "0"]);
+    for max_tokens in [1, 4, 7, 12, 20] {
+        for thinking in [true, false] {
+            let (status, reply) = replica.post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": "think hard"}],
+                        "max_tokens": max_tokens,
+                        "chat_template_kwargs": {"enable_thinking": thinking}}),
+            );
+            assert_eq!(status, 200, "{reply}");
+            let used = reply["usage"]["completion_tokens"].as_u64().unwrap();
+            match reply["choices"][0]["finish_reason"].as_str() {
+                Some("length") => assert_eq!(used, max_tokens, "{reply}"),
+                Some("stop") => assert!(used < max_tokens, "{reply}"),
+                other => panic!("finish_reason {other:?}"),
+            }
+            if max_tokens == 1 || thinking && max_tokens < 12 {
+                assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
+            }
+        }
+    }
+    let (_, reply) = replica.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "think hard"}], "max_tokens": 200}),
+    );
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+    assert!(reply["usage"]["completion_tokens"].as_u64().unwrap() < 200);
+}

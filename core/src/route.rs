@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::keys::{
@@ -17,7 +17,7 @@ use crate::request::{self, ChatInput, RequestError};
 use crate::salt::CacheSalt;
 
 /// How the filter finds a replica for a request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// Exact tokens from `/tokenize`, vLLM's block keys, the KV-event index.
@@ -33,7 +33,7 @@ pub enum Mode {
 }
 
 /// How Responses bodies are tokenized (`/tokenize` does not take them).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ResponsesTokenize {
     /// Convert to the chat form as vLLM's `construct_input_messages` does.
@@ -44,7 +44,7 @@ pub enum ResponsesTokenize {
 }
 
 /// Which gateway the filter runs in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Host {
     /// Callouts by cluster name; pin with the endpoint header; clear the route cache.
@@ -61,7 +61,8 @@ fn default_paths() -> Vec<String> {
 }
 
 /// The filter's configuration, as JSON in the gateway's plugin configuration.
-#[derive(Clone, Debug, Deserialize)]
+/// (`Serialize` prints the defaults into the generated configuration reference.)
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FilterConfig {
     /// Upstream of `/tokenize` calls: an Envoy cluster, or `host:port` on Kong.
@@ -112,7 +113,8 @@ pub struct FilterConfig {
     /// Bytes of request text per approximate key.
     #[serde(default = "default_chunk")]
     pub approximate_chunk_bytes: usize,
-    /// The gateway.
+    /// The gateway: `envoy` (callouts to clusters, pin by header) or `kong` (callouts to
+    /// `host:port`, pin by the `kong.service.target` property).
     #[serde(default)]
     pub host: Host,
     /// Request header that carries the pick (Envoy's override_host source).

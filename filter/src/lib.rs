@@ -198,6 +198,11 @@ impl Request {
     /// Ends routing for this request without a pick.
     fn unpinned(&mut self, outcome: Outcome, mode: &'static str) {
         self.stats.count(outcome);
+        self.record_unpinned(outcome, mode);
+    }
+
+    /// Records an unpinned decision already counted.
+    fn record_unpinned(&mut self, outcome: Outcome, mode: &'static str) {
         self.outcome = Some(Decision {
             endpoint: None,
             matched_blocks: 0,
@@ -301,7 +306,8 @@ impl Request {
                 self.lookup(&keys, true)
             }
             None => {
-                self.unpinned(Outcome::TokenizeFailed, "precise");
+                // Counted above.
+                self.record_unpinned(Outcome::TokenizeFailed, "precise");
                 false
             }
         }
@@ -342,10 +348,14 @@ impl Request {
         self.stats.lookup_latency(elapsed_us(since));
         let pick = call_body()
             .filter(|_| call_status() == Some(200))
-            .and_then(|body| route::parse_lookup(&self.router, &body).ok());
+            .map(|body| route::parse_lookup(&self.router, &body));
         let mode = mode_name(self.mode);
         match pick {
-            Some(pick) if self.pin(&pick) => {
+            // The index answered, but no replica can take the request.
+            Some(Err(route::LookupError::Empty)) => {
+                self.unpinned(Outcome::Skipped("no-candidates"), mode);
+            }
+            Some(Ok(pick)) if self.pin(&pick) => {
                 self.stats
                     .count(Outcome::Routed(stats::routed_reason(&pick.reason)));
                 self.outcome = Some(Decision {

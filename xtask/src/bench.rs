@@ -155,6 +155,18 @@ pub fn seed() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`.
+pub fn peers() -> anyhow::Result<()> {
+    sh::ensure_venv(&[
+        ("vllm_router/__init__.py", "vllm-router==0.1.17"),
+        ("sglang_router/__init__.py", "sglang-router==0.3.2"),
+    ])?;
+    let out = sh::root().join("docs/benchmarks");
+    let md = stack_bench(&["peers", &out.display().to_string()])?;
+    println!("{md}");
+    Ok(())
+}
+
 /// The production scenarios -> `docs/benchmarks/README.md` and `docs/benchmarks/scenarios/`.
 pub fn scenarios() -> anyhow::Result<()> {
     let out = sh::root().join("docs/benchmarks/scenarios");
@@ -250,7 +262,8 @@ fn stack_bench(args: &[&str]) -> anyhow::Result<String> {
 
 /// Latency and CPU the filter adds in Envoy -> `docs/benchmarks/filter.md`.
 pub fn filter() -> anyhow::Result<()> {
-    let table = stack_bench(&["filter"])?;
+    let instant = stack_bench(&["filter", "hash"])?;
+    let bpe = stack_bench(&["filter", "qwen"])?;
     let mut md = String::new();
     writeln!(md, "# What the filter adds\n")?;
     writeln!(
@@ -263,7 +276,14 @@ pub fn filter() -> anyhow::Result<()> {
         md,
         "Each row sends the same chat requests through one Envoy twice, interleaved round by round: `/direct/` (the filter disabled on that route, round robin) and `/` (the filter: buffer, `/tokenize` callout, keys, lookup callout, pin). Client, Envoy, replicas and kvaffined share the machine's 2 cores.\n"
     )?;
-    md.push_str(&table);
+    writeln!(
+        md,
+        "The whole table runs twice: with the emulator's instant hash tokenizer (the routing path alone), then with its Qwen BPE tokenizer (`--tokenizer qwen`: what `/tokenize` costs on a real vLLM tokenizer, paid by precise mode on every request). Rows compare within one table; the two tables ran one after the other.\n"
+    )?;
+    writeln!(md, "## Instant tokenizer (`--tokenizer hash`)\n")?;
+    md.push_str(&instant);
+    writeln!(md, "\n\n## Qwen BPE tokenizer (`--tokenizer qwen`)\n")?;
+    md.push_str(&bpe);
     md.push_str("\n\n");
     md.push_str(include_str!("bench_filter_notes.md"));
     write(&sh::root().join("docs/benchmarks/filter.md"), &md)?;

@@ -3,6 +3,7 @@
 
 mod bench;
 mod demo;
+mod docs;
 mod sh;
 
 use anyhow::bail;
@@ -13,13 +14,16 @@ commands:
   demo          two replicas, kvaffined and Envoy: a two-turn conversation, where each turn went
   up [--replicas N] [--gateway-port P]
                 the same stack in the foreground (gateway on 127.0.0.1:P, default 8080)
-  test          every check CI runs: fmt, clippy (native and wasm32), all tests
+  test          every check CI runs: fmt, clippy (native and wasm32), all tests, deploy/
+                validation, the docs site
+  docs          regenerate the reference pages, build the book into target/book
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
   bench filter  latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
   bench seed    the published two-replica measurement, reproduced -> docs/benchmarks/seed/
   bench scenarios
                 eight production scenarios x routing profiles -> docs/benchmarks/README.md
+  bench peers   vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
   bench reliability
                 faults, 60 s of load, ingest under lookups -> docs/reliability.md
   fuzz TARGET SECONDS
@@ -32,11 +36,13 @@ fn main() -> anyhow::Result<()> {
         ["demo"] => demo::run(),
         ["up", rest @ ..] => demo::up(rest),
         ["test"] => test(),
+        ["docs"] => docs::build(),
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "filter"] => bench::filter(),
         ["bench", "seed"] => bench::seed(),
         ["bench", "reliability"] => bench::reliability(),
+        ["bench", "peers"] => bench::peers(),
         ["bench", "scenarios"] => bench::scenarios(),
         ["fuzz", target, seconds] => fuzz(target, seconds),
         ["help" | "--help" | "-h"] | [] => {
@@ -107,6 +113,17 @@ fn test() -> anyhow::Result<()> {
     // End-to-end suites start the workspace's binaries, Envoy and the filter for real.
     sh::build_filter()?;
     sh::cargo(&["build", "--workspace", "--bins"])?;
+    // Every manifest rendered and schema-checked, every Envoy config through Envoy's own
+    // validation, with the filter just built.
+    sh::run(
+        std::process::Command::new("bash")
+            .arg(sh::root().join("deploy/validate.sh"))
+            .env(
+                "KVAFFINE_WASM",
+                sh::root().join("target/wasm32-wasip1/wasm/kvaffine_filter.wasm"),
+            ),
+    )?;
+    docs::check()?;
     let (passed, failed) = sh::cargo_test(&["test", "--workspace"])?;
     // The plain closing line CI reads, summed over every test binary above.
     println!("xtask test: {passed} passed, {failed} failed");

@@ -8,6 +8,7 @@
 pub mod chart;
 pub mod client;
 pub mod load;
+pub mod peers;
 pub mod scenarios;
 pub mod seed;
 pub mod session;

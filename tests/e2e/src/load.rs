@@ -131,7 +131,38 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// A chat body whose user message is about `bytes` long.
+/// A chat body whose user message is about `bytes` of English-like prose (a real BPE
+/// packs it at about one token per word, as it packs English).
+pub fn prose_body(bytes: usize, salt: &str) -> Value {
+    const WORDS: [&str; 24] = [
+        "the", "request", "carries", "its", "whole", "history", "so", "a", "replica", "that",
+        "holds", "cache", "answers", "quickly", "while", "another", "must", "compute", "every",
+        "token", "again", "from", "scratch", "today",
+    ];
+    let mut text = String::with_capacity(bytes + 16);
+    let mut i = 0usize;
+    while text.len() < bytes {
+        text.push_str(WORDS[(i * 7919 + i / 24) % WORDS.len()]);
+        text.push(if i % 17 == 16 { '.' } else { ' ' });
+        if i % 17 == 16 {
+            text.push(' ');
+        }
+        i += 1;
+    }
+    one_turn(text, salt)
+}
+
+/// A chat request of one user message asking for one token.
+fn one_turn(text: String, salt: &str) -> Value {
+    serde_json::json!({
+        "model": "emu-model",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+        "cache_salt": salt,
+    })
+}
+
+/// A chat body whose user message is about `bytes` of digit-heavy words.
 pub fn chat_body(bytes: usize, salt: &str) -> Value {
     let mut text = String::with_capacity(bytes + 16);
     let mut i = 0usize;
@@ -139,10 +170,5 @@ pub fn chat_body(bytes: usize, salt: &str) -> Value {
         text.push_str(&format!("w{} ", (i * 7919) % 9973));
         i += 1;
     }
-    serde_json::json!({
-        "model": "emu-model",
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 1,
-        "cache_salt": salt,
-    })
+    one_turn(text, salt)
 }

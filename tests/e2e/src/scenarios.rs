@@ -54,6 +54,8 @@ pub struct Run {
     pub wall: Duration,
     /// Replica addresses.
     pub replicas: Vec<String>,
+    /// Prompt tokens each replica was asked for during the run.
+    pub replica_tokens: Vec<u64>,
 }
 
 /// The figures of a run.
@@ -74,6 +76,9 @@ pub struct Figures {
     pub throughput: f64,
     /// Most requests on one replica / mean per replica.
     pub imbalance: f64,
+    /// Most prompt tokens on one replica / mean per replica (from the replicas' own
+    /// counters, so it needs no help from the router).
+    pub token_imbalance: f64,
 }
 
 impl Run {
@@ -108,6 +113,12 @@ impl Run {
             ttft_p99_ms: q(0.99),
             throughput: ok.len() as f64 / self.wall.as_secs_f64().max(1e-9),
             imbalance: if mean > 0.0 { max / mean } else { 0.0 },
+            token_imbalance: {
+                let total: u64 = self.replica_tokens.iter().sum();
+                let most = self.replica_tokens.iter().copied().max().unwrap_or(0);
+                let mean = total as f64 / self.replica_tokens.len().max(1) as f64;
+                if mean > 0.0 { most as f64 / mean } else { 0.0 }
+            },
         }
     }
 }
@@ -143,6 +154,7 @@ fn tools(n: usize) -> Value {
 }
 
 /// Everything one workload needs to send requests.
+#[derive(Clone)]
 pub struct Ctx {
     /// The gateway URL of the profile's route.
     pub url: String,
@@ -150,18 +162,16 @@ pub struct Ctx {
     pub replicas: Vec<String>,
     /// HTTP client.
     pub client: reqwest::Client,
+    /// Send `cache_salt` as text at the start of the conversation instead (for routers
+    /// that do not route salted requests by prefix; isolation stays the same).
+    pub salt_as_text: bool,
 }
 
 async fn sessions_interleaved(ctx: &Ctx, sessions: &mut [Session], rounds: usize) {
     for round in 0..rounds {
         for (i, session) in sessions.iter_mut().enumerate() {
             session
-                .step(
-                    &ctx.client,
-                    &ctx.url,
-                    &ctx.replicas,
-                    &format!("follow-up {round} of {i}"),
-                )
+                .step(ctx, &format!("follow-up {round} of {i}"))
                 .await;
         }
     }
@@ -181,17 +191,12 @@ async fn sessions_open_loop(
     let start = tokio::time::Instant::now();
     for (i, mut session) in sessions.into_iter().enumerate() {
         at += exponential(&mut rng, mean_gap);
-        let (url, replicas, client) = (ctx.url.clone(), ctx.replicas.clone(), ctx.client.clone());
+        let ctx = ctx.clone();
         handles.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + at).await;
             for step in 0..turns {
                 session
-                    .step(
-                        &client,
-                        &url,
-                        &replicas,
-                        &format!("step {step} of session {i}"),
-                    )
+                    .step(&ctx, &format!("step {step} of session {i}"))
                     .await;
             }
             session
@@ -224,11 +229,7 @@ fn faulted_sessions(
             )
         })
         .collect();
-    let inner = Ctx {
-        url: ctx.url.clone(),
-        replicas: ctx.replicas.clone(),
-        client: ctx.client.clone(),
-    };
+    let inner = ctx.clone();
     async move { sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), arrivals).await }
 }
 
@@ -257,40 +258,89 @@ pub fn run(
     variant: &str,
     daemons: usize,
 ) -> anyhow::Result<Run> {
+    run_through(
+        scenario,
+        &format!("{}{variant}", profile.name),
+        profile.book,
+        daemons,
+        false,
+        |stack| {
+            let url = format!(
+                "http://{}{}v1/chat/completions",
+                stack.gateway, profile.prefix
+            );
+            Ok((url, ()))
+        },
+    )
+}
+
+/// Prompt tokens each replica has been asked for (`vllm:prefix_cache_queries_total`):
+/// where the load went, whichever router sent it.
+pub fn queried_tokens(replicas: &[String]) -> Vec<u64> {
+    replicas
+        .iter()
+        .map(|r| {
+            let (_, text) = vllm_emu::harness::http(r, "GET", "/metrics", "");
+            text.lines()
+                .find(|l| l.starts_with("vllm:prefix_cache_queries_total"))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .map_or(0, |v| v as u64)
+        })
+        .collect()
+}
+
+/// Runs `scenario` on a fresh stack, sending its workload to the chat URL `target` names
+/// for that stack (keeping whatever `target` returns alive until the end: a peer router
+/// process, for example).
+pub fn run_through<T>(
+    scenario: &Scenario,
+    name: &str,
+    book: bool,
+    daemons: usize,
+    salt_as_text: bool,
+    target: impl FnOnce(&Stack) -> anyhow::Result<(String, T)>,
+) -> anyhow::Result<Run> {
     let mut replica_args: Vec<String> = vec!["--time-scale".into(), "0.2".into()];
     replica_args.extend(scenario.replica_args.iter().cloned());
     let mut stack = Stack::start(StackConfig {
         replicas: scenario.replicas,
         block_size: 16,
         replica_args,
-        filter: json!({"book": profile.book, "timeout_ms": 500}),
+        filter: json!({"book": book, "timeout_ms": 500}),
         daemons,
         ..StackConfig::default()
     })?;
+    let (url, guard) = target(&stack)?;
     let ctx = Ctx {
-        url: format!(
-            "http://{}{}v1/chat/completions",
-            stack.gateway, profile.prefix
-        ),
+        url,
         replicas: stack.replicas.iter().map(|r| r.http.clone()).collect(),
         client: reqwest::Client::builder()
             .no_proxy()
             .pool_max_idle_per_host(64)
             .build()?,
+        salt_as_text,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let before = queried_tokens(&ctx.replicas);
     let start = Instant::now();
     let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack))?;
     let wall = start.elapsed();
+    let replica_tokens = queried_tokens(&ctx.replicas)
+        .iter()
+        .zip(before)
+        .map(|(after, before)| after.saturating_sub(before))
+        .collect();
+    drop(guard);
     Ok(Run {
         scenario: scenario.name.to_owned(),
-        profile: format!("{}{variant}", profile.name),
+        profile: name.to_owned(),
         turns,
         wall,
         replicas: ctx.replicas.clone(),
+        replica_tokens,
     })
 }
 
@@ -348,14 +398,7 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
                     pick -= 1.0 / (i as f64 + 1.0);
                     i += 1;
                 }
-                sessions[i]
-                    .step(
-                        &ctx.client,
-                        &ctx.url,
-                        &ctx.replicas,
-                        &format!("step {step}"),
-                    )
-                    .await;
+                sessions[i].step(ctx, &format!("step {step}")).await;
             }
             collect(&sessions)
         }
@@ -398,11 +441,8 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
                     let body = json!({"model": "emu-model", "cache_salt": format!("burst{burst}"), "max_tokens": 8,
                         "messages": [{"role": "system", "content": SYSTEM},
                                      {"role": "user", "content": format!("{prefix}\nsibling {sibling}")}]});
-                    let (client, url, replicas) =
-                        (ctx.client.clone(), ctx.url.clone(), ctx.replicas.clone());
-                    handles.push(tokio::spawn(async move {
-                        turn(&client, &url, &replicas, &body).await
-                    }));
+                    let ctx = ctx.clone();
+                    handles.push(tokio::spawn(async move { turn(&ctx, &body).await }));
                     tokio::time::sleep(Duration::from_millis(150)).await;
                 }
                 for handle in handles {

@@ -76,14 +76,15 @@ fn document(words: usize) -> String {
         .join(" ")
 }
 
-fn first_turn(words: usize, salt: &str) -> Value {
+/// The first turn of a pair: the document under `salt`.
+pub fn first_turn(words: usize, salt: &str) -> Value {
     json!({"model": "emu-model", "instructions": INSTRUCTIONS, "input": document(words),
            "max_output_tokens": 48, "cache_salt": salt})
 }
 
 /// The continuation: the first turn's input and output, then a new question padded with
 /// `pad` one-token words so the total hits the published token count exactly.
-fn continuation(words: usize, pad: usize, salt: &str, first_output: &Value) -> Value {
+pub fn continuation(words: usize, pad: usize, salt: &str, first_output: &Value) -> Value {
     let mut input = vec![json!({"role": "user", "content": document(words)})];
     input.extend(first_output.as_array().cloned().unwrap_or_default());
     let question = format!("Now write the fix.{}", " please".repeat(pad));
@@ -95,7 +96,7 @@ fn continuation(words: usize, pad: usize, salt: &str, first_output: &Value) -> V
 /// The document length and padding whose continuation has exactly
 /// [`CONTINUATION_TOKENS`] input tokens, found on an instant replica (generation is
 /// deterministic, so any replica produces the same first-turn output).
-fn calibrate() -> anyhow::Result<(usize, usize)> {
+pub fn calibrate() -> anyhow::Result<(usize, usize)> {
     let emu = EmuProcess::start(&["--block-size", "64"]);
     let tokens_for = |words: usize, pad: usize| -> anyhow::Result<u64> {
         let (status, first) = emu.post("/v1/responses", &first_turn(words, "calibration"));
@@ -137,10 +138,10 @@ fn served_by(reply: &crate::client::Reply) -> String {
         .to_owned()
 }
 
-/// Runs every profile's pairs, interleaved pair by pair so machine noise hits all alike.
-pub fn run() -> anyhow::Result<(Vec<Pair>, u64)> {
-    let (words, pad) = calibrate()?;
-    let stack = Stack::start(StackConfig {
+/// The reference measurement's stack: two replicas at the published latency model
+/// (time scale 1), 64-token blocks, room for every pair's blocks.
+pub fn reference_stack() -> anyhow::Result<Stack> {
+    Stack::start(StackConfig {
         block_size: 64,
         replica_args: vec![
             "--time-scale".into(),
@@ -149,7 +150,13 @@ pub fn run() -> anyhow::Result<(Vec<Pair>, u64)> {
             "16384".into(),
         ],
         ..StackConfig::default()
-    })?;
+    })
+}
+
+/// Runs every profile's pairs, interleaved pair by pair so machine noise hits all alike.
+pub fn run() -> anyhow::Result<(Vec<Pair>, u64)> {
+    let (words, pad) = calibrate()?;
+    let stack = reference_stack()?;
     let mut pairs = Vec::new();
     let mut input_tokens = 0;
     let seed = std::time::SystemTime::now()

@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use vllm_emu::harness::http;
 
+use crate::scenarios::Ctx;
+
 /// What one turn measured.
 #[derive(Clone, Debug)]
 pub struct TurnResult {
@@ -39,14 +41,31 @@ pub fn oracle(replicas: &[String], body: &Value) -> u64 {
         .unwrap_or(0)
 }
 
-/// Sends one streaming chat request through `url` and reassembles the answer.
-pub async fn turn(
-    client: &reqwest::Client,
-    url: &str,
-    replicas: &[String],
-    body: &Value,
-) -> TurnResult {
+/// Moves `cache_salt` into the text: the first message starts with it. Requests keep
+/// distinct prefixes exactly where their salts differed.
+pub fn salt_as_text(body: &mut Value) {
+    let Some(salt) = body.as_object_mut().and_then(|b| b.remove("cache_salt")) else {
+        return;
+    };
+    let salt = salt.as_str().unwrap_or_default().to_owned();
+    // Chat: the first message; Responses: the instructions, rendered first.
+    let first = match body.get("instructions") {
+        Some(_) => body.pointer_mut("/instructions"),
+        None => body.pointer_mut("/messages/0/content"),
+    };
+    if let Some(first) = first {
+        *first = json!(format!("[{salt}] {}", first.as_str().unwrap_or_default()));
+    }
+}
+
+/// Sends one streaming chat request through the context's URL and reassembles the
+/// answer.
+pub async fn turn(ctx: &Ctx, body: &Value) -> TurnResult {
+    let (client, url, replicas) = (&ctx.client, ctx.url.as_str(), ctx.replicas.as_slice());
     let mut body = body.clone();
+    if ctx.salt_as_text {
+        salt_as_text(&mut body);
+    }
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
     let oracle_tokens = {
@@ -178,14 +197,8 @@ impl Session {
 
     /// Runs one turn and appends the answer (and, for a tool call, its result) or the
     /// `next` user message.
-    pub async fn step(
-        &mut self,
-        client: &reqwest::Client,
-        url: &str,
-        replicas: &[String],
-        next: &str,
-    ) {
-        let result = turn(client, url, replicas, &self.request(24)).await;
+    pub async fn step(&mut self, ctx: &Ctx, next: &str) {
+        let result = turn(ctx, &self.request(24)).await;
         if result.ok {
             self.messages.push(result.message.clone());
             if let Some(calls) = result.message["tool_calls"].as_array() {

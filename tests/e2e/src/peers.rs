@@ -1,0 +1,626 @@
+//! kvaffine against the routers users would pick instead, on the same vllm-emu replicas
+//! and workloads in one run: vllm-router (`cache_aware`, `kv_aware`) and sglang-router
+//! (`cache_aware`) from PyPI, plain round robin, and kvaffine's precise and approximate
+//! modes. Every arm gets a fresh stack per workload, arms take turns so machine noise hits
+//! all alike, and every figure comes from the client or the replicas' own counters, so no
+//! router is measured by its own account.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::json;
+use vllm_emu::harness::{EmuProcess, http};
+
+use crate::load::{Bodies, Latencies, closed_loop, cpu_seconds, ms};
+use crate::scenarios::{self, Run, Scenario, queried_tokens};
+use crate::session::salt_as_text;
+use crate::{Stack, StackConfig, poll, root};
+
+/// How an arm's requests reach the replicas.
+#[derive(Clone, Copy, Debug)]
+pub enum Router {
+    /// kvaffine's filter in Envoy, on the route with this prefix.
+    Kvaffine(&'static str),
+    /// Envoy's round robin with the filter off (`/direct/`).
+    RoundRobin,
+    /// `vllm-router --policy POLICY`.
+    VllmRouter(&'static str),
+    /// `sglang-router launch --policy POLICY`.
+    SglangRouter(&'static str),
+}
+
+/// One router under test.
+#[derive(Clone, Copy, Debug)]
+pub struct Arm {
+    /// Name in the tables.
+    pub name: &'static str,
+    /// The router.
+    pub router: Router,
+}
+
+/// Every arm, kvaffine precise first (the ratios' reference).
+pub const ARMS: [Arm; 6] = [
+    Arm {
+        name: "kvaffine precise",
+        router: Router::Kvaffine("/"),
+    },
+    Arm {
+        name: "kvaffine approximate",
+        router: Router::Kvaffine("/approximate/"),
+    },
+    Arm {
+        name: "vllm-router cache_aware",
+        router: Router::VllmRouter("cache_aware"),
+    },
+    Arm {
+        name: "vllm-router kv_aware",
+        router: Router::VllmRouter("kv_aware"),
+    },
+    Arm {
+        name: "sglang-router cache_aware",
+        router: Router::SglangRouter("cache_aware"),
+    },
+    Arm {
+        name: "round robin",
+        router: Router::RoundRobin,
+    },
+];
+
+/// A peer router process, killed on drop.
+pub struct PeerProcess {
+    child: Child,
+    /// `HOST:PORT` it serves on.
+    pub addr: String,
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn venv_bin(name: &str) -> PathBuf {
+    root().join(".venv/bin").join(name)
+}
+
+/// A port free right now. The peers take `--port` and cannot report a port they chose.
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl PeerProcess {
+    /// Starts the peer router of `router` in front of `replicas` (`None` for kvaffine and
+    /// round robin, which are routes of the stack's Envoy).
+    pub fn start(
+        router: Router,
+        replicas: &[EmuProcess],
+        block_size: usize,
+    ) -> anyhow::Result<Option<Self>> {
+        let (port, metrics_port) = (free_port()?, free_port()?);
+        let workers: Vec<String> = replicas
+            .iter()
+            .map(|r| format!("http://{}", r.http))
+            .collect();
+        let mut command = match router {
+            Router::Kvaffine(_) | Router::RoundRobin => return Ok(None),
+            Router::VllmRouter(policy) => {
+                let mut command = Command::new(venv_bin("vllm-router"));
+                command
+                    .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                    .arg("--worker-urls")
+                    .args(&workers)
+                    .args(["--policy", policy])
+                    .args(["--prometheus-port", &metrics_port.to_string()]);
+                if policy == "kv_aware" {
+                    for (worker, replica) in workers.iter().zip(replicas) {
+                        command
+                            .arg("--kv-event-source")
+                            .arg(format!("{worker}={}", replica.events));
+                        if let Some(replay) = &replica.replay {
+                            command
+                                .arg("--kv-event-replay-source")
+                                .arg(format!("{worker}={replay}"));
+                        }
+                    }
+                    command
+                        .args(["--kv-event-block-size", &block_size.to_string()])
+                        .args(["--kv-event-model", "emu-model"]);
+                }
+                command
+            }
+            Router::SglangRouter(policy) => {
+                let mut command = Command::new(venv_bin("sglang-router"));
+                command
+                    .args(["launch", "--host", "127.0.0.1", "--port", &port.to_string()])
+                    .arg("--worker-urls")
+                    .args(&workers)
+                    .args(["--policy", policy])
+                    .args(["--prometheus-host", "127.0.0.1"])
+                    .args(["--prometheus-port", &metrics_port.to_string()]);
+                command
+            }
+        };
+        let log_dir = root().join("target/peers");
+        std::fs::create_dir_all(&log_dir)?;
+        let log = std::fs::File::create(log_dir.join(format!("{port}.log")))?;
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {router:?}: run `cargo xtask bench peers`"))?;
+        let peer = Self {
+            child,
+            addr: format!("127.0.0.1:{port}"),
+        };
+        poll(
+            &format!("{router:?} on {}", peer.addr),
+            Duration::from_secs(60),
+            || http(&peer.addr, "GET", "/v1/models", "").0 == 200,
+        )?;
+        Ok(Some(peer))
+    }
+
+    /// The router's process id (for CPU accounting).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// Base URL of an arm on a stack (with its peer process, if any).
+fn base_url(arm: Arm, stack: &Stack, peer: Option<&PeerProcess>) -> String {
+    match (arm.router, peer) {
+        (Router::Kvaffine(prefix), _) => format!("http://{}{prefix}", stack.gateway),
+        (Router::RoundRobin, _) => format!("http://{}/direct/", stack.gateway),
+        (_, Some(peer)) => format!("http://{}/", peer.addr),
+        (_, None) => String::new(),
+    }
+}
+
+/// Processes whose CPU an arm costs: Envoy and kvaffined for kvaffine, Envoy alone for
+/// round robin, the router process for a peer.
+fn router_pids(arm: Arm, stack: &Stack, peer: Option<&PeerProcess>) -> Vec<u32> {
+    match arm.router {
+        Router::Kvaffine(_) => stack
+            .processes()
+            .into_iter()
+            .filter(|(name, _)| name == "envoy" || name == "kvaffined")
+            .map(|(_, pid)| pid)
+            .collect(),
+        Router::RoundRobin => stack.envoy_pid().into_iter().collect(),
+        _ => peer.map(PeerProcess::pid).into_iter().collect(),
+    }
+}
+
+/// The scenario workloads the peers run.
+pub fn workloads() -> Vec<Scenario> {
+    scenarios::all()
+        .into_iter()
+        .filter(|s| {
+            matches!(
+                s.name,
+                "template-divergence" | "concurrency" | "hot-system-prompt"
+            )
+        })
+        .collect()
+}
+
+/// Runs `workload` under `arm` on a fresh stack.
+pub fn run_workload(workload: &Scenario, arm: Arm) -> anyhow::Result<Run> {
+    scenarios::run_through(workload, arm.name, true, 1, true, |stack| {
+        let peer = PeerProcess::start(arm.router, &stack.replicas, 16)?;
+        let url = format!("{}v1/chat/completions", base_url(arm, stack, peer.as_ref()));
+        Ok((url, peer))
+    })
+}
+
+/// The two-turn reference measurement under every arm, pair by pair in turn.
+pub struct SeedPair {
+    /// Arm name.
+    pub arm: &'static str,
+    /// The continuation went to the first turn's replica.
+    pub warm_return: bool,
+    /// Continuation input tokens.
+    pub input_tokens: u64,
+    /// Of which cached.
+    pub cached_tokens: u64,
+    /// Continuation latency.
+    pub latency_ms: f64,
+}
+
+/// Which replica served the one request sent since `before` (sequential traffic only).
+fn served_since(replicas: &[String], before: &[u64]) -> Option<usize> {
+    let after = queried_tokens(replicas);
+    after.iter().zip(before).position(|(a, b)| a > b)
+}
+
+/// Runs `pairs` two-turn pairs per arm on one stack (2 replicas at the published latency
+/// model), every router in front of the same replicas at once.
+pub fn seed(pairs: usize) -> anyhow::Result<Vec<SeedPair>> {
+    let (words, pad) = crate::seed::calibrate()?;
+    let stack = crate::seed::reference_stack()?;
+    let peers: Vec<Option<PeerProcess>> = ARMS
+        .iter()
+        .map(|arm| PeerProcess::start(arm.router, &stack.replicas, 64))
+        .collect::<anyhow::Result<_>>()?;
+    let replicas: Vec<String> = stack.replicas.iter().map(|r| r.http.clone()).collect();
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    let mut out = Vec::new();
+    for index in 0..pairs {
+        for (arm, peer) in ARMS.iter().zip(&peers) {
+            let base = base_url(*arm, &stack, peer.as_ref());
+            let (addr, prefix) = split_url(&base);
+            let path = format!("{prefix}v1/responses");
+            let salt = format!("{nonce:x}-{index}-{}", arm.name.replace(' ', "-"));
+            let mut first = crate::seed::first_turn(words, &salt);
+            salt_as_text(&mut first);
+            let before = queried_tokens(&replicas);
+            let reply = crate::client::post_json(&addr, &path, &first);
+            if reply.status != 200 {
+                bail!(
+                    "{} pair {index}: first turn {}: {}",
+                    arm.name,
+                    reply.status,
+                    reply.body
+                );
+            }
+            let first_replica = served_since(&replicas, &before);
+            let mut body = crate::seed::continuation(words, pad, &salt, &reply.json()["output"]);
+            salt_as_text(&mut body);
+            let before = queried_tokens(&replicas);
+            let start = Instant::now();
+            let second = crate::client::post_json(&addr, &path, &body);
+            let latency_ms = start.elapsed().as_secs_f64() * 1e3;
+            if second.status != 200 {
+                bail!(
+                    "{} pair {index}: continuation {}: {}",
+                    arm.name,
+                    second.status,
+                    second.body
+                );
+            }
+            let usage = &second.json()["usage"];
+            out.push(SeedPair {
+                arm: arm.name,
+                warm_return: first_replica.is_some()
+                    && first_replica == served_since(&replicas, &before),
+                input_tokens: usage["input_tokens"].as_u64().unwrap_or(0),
+                cached_tokens: usage["input_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0),
+                latency_ms,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// `http://HOST:PORT/prefix/` -> (`HOST:PORT`, `/prefix/`).
+fn split_url(url: &str) -> (String, String) {
+    let rest = url.trim_start_matches("http://");
+    match rest.find('/') {
+        Some(at) => (rest[..at].to_owned(), rest[at..].to_owned()),
+        None => (rest.to_owned(), "/".to_owned()),
+    }
+}
+
+/// What a router adds to one request, against the same requests sent straight to a
+/// replica by the same client.
+pub struct Overhead {
+    /// Arm name.
+    pub arm: &'static str,
+    /// Latency through the router.
+    pub latencies: Latencies,
+    /// Latency straight to a replica, measured in the same rounds.
+    pub direct: Latencies,
+    /// Router CPU seconds per request.
+    pub cpu_per_request: f64,
+    /// Failed requests.
+    pub failed: usize,
+}
+
+/// Sequential chat requests of about `bytes` bytes (a new prompt each round, no salt)
+/// through each arm and straight to replica 0, interleaved round by round.
+pub fn overhead(bytes: usize, rounds: usize, per_round: usize) -> anyhow::Result<Vec<Overhead>> {
+    let stack = Stack::start(StackConfig {
+        block_size: 16,
+        replica_args: vec!["--time-scale".into(), "0".into()],
+        ..StackConfig::default()
+    })?;
+    let peers: Vec<Option<PeerProcess>> = ARMS
+        .iter()
+        .map(|arm| PeerProcess::start(arm.router, &stack.replicas, 16))
+        .collect::<anyhow::Result<_>>()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let client = reqwest::Client::builder().no_proxy().build()?;
+    let direct_url = format!("http://{}/v1/chat/completions", stack.replicas[0].http);
+    let mut results: Vec<Overhead> = ARMS
+        .iter()
+        .map(|arm| Overhead {
+            arm: arm.name,
+            latencies: Latencies::default(),
+            direct: Latencies::default(),
+            cpu_per_request: 0.0,
+            failed: 0,
+        })
+        .collect();
+    let mut cpu = vec![0.0f64; ARMS.len()];
+    for round in 0..rounds {
+        for (n, ((arm, peer), result)) in ARMS.iter().zip(&peers).zip(&mut results).enumerate() {
+            let body = overhead_body(bytes, round * ARMS.len() + n);
+            let url = format!(
+                "{}v1/chat/completions",
+                base_url(*arm, &stack, peer.as_ref())
+            );
+            let pids = router_pids(*arm, &stack, peer.as_ref());
+            let direct = runtime.block_on(closed_loop(
+                &client,
+                &direct_url,
+                body.clone(),
+                per_round,
+                1,
+            ));
+            let before: f64 = pids.iter().map(|p| cpu_seconds(*p)).sum();
+            let (latencies, failed) =
+                runtime.block_on(closed_loop(&client, &url, body, per_round, 1));
+            cpu[n] += pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>() - before;
+            result.latencies.extend(latencies);
+            result.direct.extend(direct.0);
+            result.failed += failed + direct.1;
+        }
+    }
+    for (result, cpu) in results.iter_mut().zip(cpu) {
+        result.cpu_per_request = cpu / (rounds * per_round).max(1) as f64;
+    }
+    Ok(results)
+}
+
+/// A chat body of about `bytes` bytes whose text is new for every `n`, and whose later
+/// requests in a round repeat it (the warm case every router should handle).
+fn overhead_body(bytes: usize, n: usize) -> Bodies {
+    let mut text = format!("request family {n}: ");
+    let mut i = 0usize;
+    while text.len() < bytes {
+        text.push_str(&format!("w{} ", (i * 7919 + n * 31) % 9973));
+        i += 1;
+    }
+    let body = json!({"model": "emu-model", "max_tokens": 1,
+                      "messages": [{"role": "user", "content": text}]})
+    .to_string()
+    .into_bytes();
+    crate::load::same(body)
+}
+
+/// Ratio of `x` to `reference`, as text.
+fn ratio(x: f64, reference: f64) -> String {
+    if reference > 0.0 {
+        format!("{:.2}x", x / reference)
+    } else {
+        "n/a".into()
+    }
+}
+
+/// Mean continuation latency of an arm in the two-turn reference.
+fn seed_latency(seed: &[SeedPair], arm: &str) -> f64 {
+    let latencies: Vec<f64> = seed
+        .iter()
+        .filter(|p| p.arm == arm)
+        .map(|p| p.latency_ms)
+        .collect();
+    latencies.iter().sum::<f64>() / latencies.len().max(1) as f64
+}
+
+/// One table: every router's figures as ratios to kvaffine precise's in the same run.
+fn summary(
+    md: &mut String,
+    runs: &[Run],
+    seed: &[SeedPair],
+    overheads: &[Overhead],
+) -> std::fmt::Result {
+    use std::fmt::Write as _;
+    let names: Vec<&str> = workloads().iter().map(|w| w.name).collect();
+    let figures = |workload: &str, arm: &str| {
+        runs.iter()
+            .find(|r| r.scenario == workload && r.profile == arm)
+            .map(Run::figures)
+    };
+    let added = |arm: &str| {
+        overheads.iter().find(|o| o.arm == arm).map(|o| {
+            (
+                ms(o.latencies.quantile(0.5)) - ms(o.direct.quantile(0.5)),
+                o.cpu_per_request,
+            )
+        })
+    };
+    writeln!(md, "\n## Ratios to kvaffine precise\n")?;
+    writeln!(
+        md,
+        "KV hit, TTFT p99 and throughput per scenario ({}), the two-turn reference's mean continuation latency, and what each router adds per request. Above 1.00x is more hit, more latency, more throughput, more cost.\n",
+        names.join(", ")
+    )?;
+    let header: Vec<String> = ["KV hit", "TTFT p99", "req/s"]
+        .iter()
+        .flat_map(|m| names.iter().map(move |n| format!("{m} {n}")))
+        .collect();
+    writeln!(
+        md,
+        "| router | {} | two-turn latency | added p50 | CPU per request |",
+        header.join(" | ")
+    )?;
+    writeln!(md, "|---|{}---|---|---|", "---|".repeat(header.len()))?;
+    let reference = ARMS[0].name;
+    for arm in &ARMS {
+        let mut cells = Vec::new();
+        for metric in 0..3 {
+            for name in &names {
+                let cell = match (figures(name, arm.name), figures(name, reference)) {
+                    (Some(f), Some(r)) => match metric {
+                        0 => ratio(f.hit_pct, r.hit_pct),
+                        1 => ratio(f.ttft_p99_ms, r.ttft_p99_ms),
+                        _ => ratio(f.throughput, r.throughput),
+                    },
+                    _ => "n/a".into(),
+                };
+                cells.push(cell);
+            }
+        }
+        let (added_p50, cpu) = match (added(arm.name), added(reference)) {
+            (Some((a, c)), Some((ra, rc))) => (ratio(a, ra), ratio(c, rc)),
+            _ => ("n/a".into(), "n/a".into()),
+        };
+        writeln!(
+            md,
+            "| {} | {} | {} | {added_p50} | {cpu} |",
+            arm.name,
+            cells.join(" | "),
+            ratio(seed_latency(seed, arm.name), seed_latency(seed, reference)),
+        )?;
+    }
+    Ok(())
+}
+
+/// Writes `peers.md`, `peers.json` and one chart per workload into `dir`.
+pub fn write(
+    dir: &Path,
+    runs: &[Run],
+    seed: &[SeedPair],
+    overheads: &[Overhead],
+    command: &str,
+    machine: &str,
+) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    std::fs::create_dir_all(dir.join("peers"))?;
+    let mut md = String::from("# kvaffine and the routers users would pick instead\n\n");
+    writeln!(md, "Command: `{command}`. Machine: {machine}.\n")?;
+    md.push_str(include_str!("peers_intro.md"));
+    summary(&mut md, runs, seed, overheads)?;
+    let mut json_runs = Vec::new();
+    writeln!(md, "\n## Scenarios\n")?;
+    for workload in workloads() {
+        let mine: Vec<&Run> = runs
+            .iter()
+            .filter(|r| r.scenario == workload.name)
+            .collect();
+        let Some(reference) = mine.first().map(|r| r.figures()) else {
+            continue;
+        };
+        writeln!(md, "### {}: {}\n", workload.name, workload.about)?;
+        writeln!(
+            md,
+            "| router | KV hit | oracle | hit / oracle | TTFT p50 | TTFT p99 | req/s | failed | token imbalance | hit vs precise | TTFT p50 vs precise | TTFT p99 vs precise | req/s vs precise |"
+        )?;
+        writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+        let mut chart_rows = Vec::new();
+        for run in &mine {
+            let f = run.figures();
+            writeln!(
+                md,
+                "| {} | {:.1}% | {:.1}% | {:.2} | {:.0} ms | {:.0} ms | {:.1} | {} | {:.2} | {} | {} | {} | {} |",
+                run.profile,
+                f.hit_pct,
+                f.oracle_pct,
+                f.hit_pct / f.oracle_pct.max(1e-9),
+                f.ttft_p50_ms,
+                f.ttft_p99_ms,
+                f.throughput,
+                f.failed,
+                f.token_imbalance,
+                ratio(f.hit_pct, reference.hit_pct),
+                ratio(f.ttft_p50_ms, reference.ttft_p50_ms),
+                ratio(f.ttft_p99_ms, reference.ttft_p99_ms),
+                ratio(f.throughput, reference.throughput),
+            )?;
+            chart_rows.push((run.profile.clone(), f.hit_pct, f.oracle_pct));
+            json_runs.push(json!({"workload": run.scenario, "router": run.profile,
+                "requests": f.requests, "failed": f.failed, "hit_pct": f.hit_pct,
+                "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
+                "ttft_p99_ms": f.ttft_p99_ms, "throughput": f.throughput,
+                "token_imbalance": f.token_imbalance}));
+        }
+        let chart = format!("peers/{}.svg", workload.name);
+        crate::chart::scenario_chart(
+            &dir.join(&chart),
+            &format!("{}: KV hit by router", workload.name),
+            &chart_rows,
+        )?;
+        writeln!(md, "\n![{}]({chart})\n", workload.name)?;
+    }
+    writeln!(md, "## The two-turn reference measurement\n")?;
+    writeln!(
+        md,
+        "| router | warm returns | mean KV hit | mean continuation latency | latency vs precise |\n|---|---|---|---|---|"
+    )?;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let latency_of = |arm: &str| {
+        let l: Vec<f64> = seed
+            .iter()
+            .filter(|p| p.arm == arm)
+            .map(|p| p.latency_ms)
+            .collect();
+        mean(&l)
+    };
+    let reference = latency_of(ARMS[0].name);
+    let mut json_seed = Vec::new();
+    for arm in &ARMS {
+        let mine: Vec<&SeedPair> = seed.iter().filter(|p| p.arm == arm.name).collect();
+        let hits: Vec<f64> = mine
+            .iter()
+            .map(|p| 100.0 * p.cached_tokens as f64 / p.input_tokens.max(1) as f64)
+            .collect();
+        let warm = mine.iter().filter(|p| p.warm_return).count();
+        let latency = latency_of(arm.name);
+        writeln!(
+            md,
+            "| {} | {warm}/{} | {:.2}% | {latency:.1} ms | {} |",
+            arm.name,
+            mine.len(),
+            mean(&hits),
+            ratio(latency, reference),
+        )?;
+        json_seed.push(
+            json!({"router": arm.name, "warm_returns": warm, "pairs": mine.len(),
+            "mean_hit_pct": mean(&hits), "mean_latency_ms": latency}),
+        );
+    }
+    writeln!(md, "\n## What each router adds per request\n")?;
+    writeln!(
+        md,
+        "| router | p50 | direct p50 (same rounds) | added p50 | p99 | direct p99 | added p99 | router CPU per request | failed |\n|---|---|---|---|---|---|---|---|---|"
+    )?;
+    let mut json_overhead = Vec::new();
+    for o in overheads {
+        let (p50, d50) = (ms(o.latencies.quantile(0.5)), ms(o.direct.quantile(0.5)));
+        let (p99, d99) = (ms(o.latencies.quantile(0.99)), ms(o.direct.quantile(0.99)));
+        writeln!(
+            md,
+            "| {} | {p50:.2} ms | {d50:.2} ms | {:.2} ms | {p99:.2} ms | {d99:.2} ms | {:.2} ms | {:.0} us | {} |",
+            o.arm,
+            p50 - d50,
+            p99 - d99,
+            o.cpu_per_request * 1e6,
+            o.failed
+        )?;
+        json_overhead.push(json!({"router": o.arm, "p50_ms": p50, "direct_p50_ms": d50,
+            "p99_ms": p99, "direct_p99_ms": d99, "cpu_us_per_request": o.cpu_per_request * 1e6,
+            "failed": o.failed}));
+    }
+    md.push('\n');
+    md.push_str(include_str!("peers_notes.md"));
+    let results = json!({"command": command, "machine": machine, "scenarios": json_runs,
+                         "seed": json_seed, "overhead": json_overhead});
+    std::fs::write(
+        dir.join("peers/peers.json"),
+        serde_json::to_string_pretty(&results)? + "\n",
+    )?;
+    std::fs::write(dir.join("peers.md"), &md)?;
+    Ok(md)
+}

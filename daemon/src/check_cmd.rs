@@ -75,7 +75,7 @@ pub fn report(metrics: &str, sources: Option<&Value>, expected_block_size: Optio
         Some(algo) => problem(
             &mut text,
             format!(
-                "prefix caching hash {algo} hashes a Python pickle: kvaffine cannot compute it (the daemon re-keys its events, the filter's keys never match). Run vLLM with --prefix-caching-hash-algo sha256_cbor"
+                "prefix caching hash {algo} hashes a Python pickle: kvaffine cannot compute it. The daemon still routes this replica by re-keying its events from their token ids (a hash per block, an engine-hash map in memory, blocks whose parent it missed lost); run vLLM with --prefix-caching-hash-algo sha256_cbor to avoid that"
             ),
         ),
         None => problem(&mut text, "prefix_caching_hash_algo not reported".into()),

@@ -2,9 +2,12 @@
 //! as Kong's ngx_wasm_module does), with a real kvaffined and vllm-emu replicas on
 //! loopback. No Kong binary installs here; see tests/wasm-host for what the host mirrors.
 
+use std::time::Duration;
+
 use kvaffine_e2e::client::{Reply, post_json, send};
-use kvaffine_e2e::{Gateway, Stack, StackConfig};
+use kvaffine_e2e::{Gateway, Stack, StackConfig, poll};
 use serde_json::{Value, json};
+use vllm_emu::harness::http;
 
 /// The body buffer deploy/kong raises Kong to.
 const RAISED_BUFFER: usize = 16 * 1024 * 1024;
@@ -122,5 +125,33 @@ fn kong_mode_never_fails_a_request_for_routing() {
     assert_eq!(
         stack.filter_metric("kvaffine.unpinned.index-unavailable"),
         3.0
+    );
+}
+
+#[test]
+fn a_model_no_replica_serves_goes_through_unpinned_as_no_candidates() {
+    let stack = kong(RAISED_BUFFER);
+    // The daemon ranks only replicas serving the request's model, once their metrics say
+    // what they serve.
+    poll(
+        "both replicas' models scraped",
+        Duration::from_secs(10),
+        || {
+            let (_, text) = http(&stack.daemon_addr, "GET", "/v1/endpoints", "");
+            text.matches("\"model\":\"emu-model\"").count() == 2
+        },
+    )
+    .unwrap();
+    let reply = chat(
+        &stack,
+        &json!({"model": "no-such-model", "messages": history(3, 50), "max_tokens": 2}),
+    );
+    // vLLM's own answer to an unknown model reaches the client unchanged.
+    assert_eq!(reply.status, 404, "{}", reply.body);
+    assert_eq!(reply.header("x-kvaffine-reason"), Some("no-candidates"));
+    assert_eq!(stack.filter_metric("kvaffine.unpinned.no-candidates"), 1.0);
+    assert_eq!(
+        stack.filter_metric("kvaffine.unpinned.index-unavailable"),
+        0.0
     );
 }

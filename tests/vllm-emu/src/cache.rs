@@ -167,6 +167,31 @@ impl PrefixCache {
         Ok(hits)
     }
 
+    /// An admitted prompt is about to be prefilled: blocks of its prefix cached since its
+    /// admission (a request ahead of it computed them) are used instead of recomputed, as
+    /// vLLM's scheduler looks a waiting request's prefix up when it schedules it. Returns
+    /// the further blocks used from the cache.
+    pub fn adopt_cached(
+        &mut self,
+        digests: &[Digest],
+        hit_cap: usize,
+        holding: &mut Holding,
+    ) -> usize {
+        let from = holding.blocks.len();
+        let mut adopted = 0;
+        for digest in digests.iter().take(hit_cap).skip(from) {
+            if holding.reserved == 0 || !self.blocks.contains_key(digest) {
+                break;
+            }
+            self.reference(digest);
+            holding.blocks.push(*digest);
+            holding.reserved -= 1;
+            self.reserved -= 1;
+            adopted += 1;
+        }
+        adopted
+    }
+
     /// The prefill of an admitted prompt finished: its new full blocks are cached now.
     pub fn commit_prefill(
         &mut self,
@@ -367,6 +392,31 @@ mod tests {
             cache.take_events().is_empty(),
             "hits are not reported again"
         );
+    }
+
+    #[test]
+    fn a_request_admitted_during_anothers_prefill_adopts_its_blocks_when_scheduled() {
+        let keys = config();
+        let extras = KeyExtras::default();
+        let mut cache = PrefixCache::new(100, 4, EngineHashMode::Keys);
+        let tokens: Vec<u32> = (0..10).collect();
+        let digests = keys.digests(&extras, &tokens);
+        let (mut first, mut second) = (Holding::default(), Holding::default());
+        assert_eq!(cache.admit(&digests, usize::MAX, &mut first), Ok(0));
+        assert_eq!(cache.admit(&digests, 2, &mut second), Ok(0));
+        assert_eq!(cache.adopt_cached(&digests, 2, &mut second), 0);
+        cache.commit_prefill(&tokens, &digests, &extras, &mut first);
+        // Two full blocks cached; the hit cap (the last token is recomputed) is 2.
+        assert_eq!(cache.adopt_cached(&digests, 2, &mut second), 2);
+        assert_eq!(second.reserved, 0);
+        cache.commit_prefill(&tokens, &digests, &extras, &mut second);
+        assert!(
+            cache.take_events().len() <= 1,
+            "the second prefill stores nothing new"
+        );
+        cache.release(first);
+        cache.release(second);
+        assert_eq!(cache.in_use(), cache.cached_prefix(&digests));
     }
 
     #[test]

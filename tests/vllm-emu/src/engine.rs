@@ -236,11 +236,33 @@ impl Engine {
     /// and a request whose prefill has not started counts as waiting (vLLM's scheduler
     /// keeps it in its waiting queue until its prefill is scheduled).
     pub async fn prefill(&self, tokens: &[u32], extras: &KeyExtras, admission: &mut Admission) {
-        let duration = self.time.prefill(tokens.len(), admission.cached_tokens);
-        if !duration.is_zero() {
+        let timed = !self
+            .time
+            .prefill(tokens.len(), admission.cached_tokens)
+            .is_zero();
+        let _lane = if timed {
             self.state.lock().prefill_queued += 1;
-            let _lane = self.prefill_lane.lock().await;
+            let lane = self.prefill_lane.lock().await;
             self.state.lock().prefill_queued -= 1;
+            Some(lane)
+        } else {
+            None
+        };
+        // Scheduled now: what requests ahead of it cached meanwhile is a hit too.
+        {
+            let block_size = self.keys.block_size();
+            let hit_cap = tokens.len().saturating_sub(1) / block_size;
+            let mut state = self.state.lock();
+            let adopted =
+                state
+                    .cache
+                    .adopt_cached(&admission.digests, hit_cap, &mut admission.holding)
+                    * block_size;
+            admission.cached_tokens += adopted;
+            state.prefix_hits += adopted as u64;
+        }
+        let duration = self.time.prefill(tokens.len(), admission.cached_tokens);
+        if timed {
             tokio::time::sleep(duration).await;
         }
         let mut state = self.state.lock();

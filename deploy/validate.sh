@@ -6,11 +6,11 @@
 #   * validates every core Kubernetes object against the Kubernetes schemas (shipped by the
 #     PyPI package kubernetes-validate) and the required fields of the custom resources;
 #   * checks the overlays, the filter configurations and kvaffined's flags and files
-#     against each other and against the Rust sources they must match;
+#     against each other and against the Rust sources they must match (kvaffined's
+#     --discover-dns against the replicas' headless Service and the gateway's pool);
 #   * runs the real Envoy (`envoy --mode validate`) on every Envoy configuration: the
 #     Kubernetes bootstraps, their ECDS filter inlined, and the configurations the Envoy
-#     Gateway and Istio resources produce;
-#   * runs the endpoint resolver against localhost.
+#     Gateway and Istio resources produce.
 #
 # Usage, from anywhere:  deploy/validate.sh
 # The module Envoy validates with: $KVAFFINE_WASM if set, else the built filter

@@ -40,6 +40,11 @@ pub struct ServeArgs {
     /// endpoints, one per data-parallel rank. Repeatable.
     #[arg(long = "discover")]
     pub discover: Vec<String>,
+    /// `NAME:PORT` whose DNS records are the replicas (a Kubernetes headless Service):
+    /// re-resolved every second, each address asked for its `/kv_event_sources` and pinned
+    /// by its IP. Repeatable.
+    #[arg(long = "discover-dns")]
+    pub discover_dns: Vec<String>,
     /// The replicas' `kv-events-config` topic.
     #[arg(long, default_value = "")]
     pub topic: String,

@@ -3,6 +3,7 @@
 //! so a transient error never purges a replica.
 
 use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -111,6 +112,72 @@ impl Discovery for KvEventSources {
                 endpoints.extend(event_sources(&self.client, replica).await?);
             }
             Ok(endpoints)
+        })
+    }
+}
+
+/// A DNS name whose addresses are the replicas (a Kubernetes headless Service), resolved
+/// on every poll; each address is asked for its `/kv_event_sources`. Replicas come and go
+/// with the name's records: an address that does not answer keeps its last answer while it
+/// stays in DNS and is not followed before it first answers, and a failed resolution keeps
+/// everything, so only DNS itself dropping an address stops its replica being followed.
+pub struct DnsReplicas {
+    host: String,
+    port: u16,
+    client: reqwest::Client,
+    known: parking_lot::Mutex<BTreeMap<String, Vec<EndpointSpec>>>,
+}
+
+impl DnsReplicas {
+    /// Follows the addresses of `name` (`HOST:PORT`, the replicas' HTTP port).
+    pub fn new(name: &str, client: reqwest::Client) -> anyhow::Result<Self> {
+        let (host, port) = name
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+            .filter(|(h, _)| !h.is_empty())
+            .with_context(|| format!("--discover-dns {name:?}: expected NAME:PORT"))?;
+        Ok(Self {
+            host: host.to_owned(),
+            port,
+            client,
+            known: parking_lot::Mutex::new(BTreeMap::new()),
+        })
+    }
+}
+
+impl Discovery for DnsReplicas {
+    fn name(&self) -> String {
+        format!("DNS {}:{}", self.host, self.port)
+    }
+
+    fn discover(&self) -> BoxFuture<'_, anyhow::Result<Vec<EndpointSpec>>> {
+        Box::pin(async move {
+            let resolved = tokio::net::lookup_host((self.host.as_str(), self.port)).await;
+            let addresses: BTreeSet<String> = match resolved {
+                Ok(addresses) => addresses.map(|a| a.to_string()).collect(),
+                Err(err) => {
+                    tracing::warn!(name = %self.host, "cannot resolve, keeping the replicas known: {err}");
+                    self.known.lock().keys().cloned().collect()
+                }
+            };
+            let mut answers = BTreeMap::new();
+            for address in addresses {
+                match event_sources(&self.client, &address).await {
+                    Ok(specs) => {
+                        answers.insert(address, specs);
+                    }
+                    Err(err) => match self.known.lock().get(&address).cloned() {
+                        Some(specs) => {
+                            tracing::warn!(%address, "no answer, keeping its endpoints: {err:#}");
+                            answers.insert(address, specs);
+                        }
+                        None => tracing::debug!(%address, "not answering yet: {err:#}"),
+                    },
+                }
+            }
+            let specs = answers.values().flatten().cloned().collect();
+            *self.known.lock() = answers;
+            Ok(specs)
         })
     }
 }
@@ -247,6 +314,15 @@ mod tests {
                     (1, "tcp://h:5558", Some("tcp://h:6558"))
                 ]
             );
+        }
+    }
+
+    #[test]
+    fn dns_names_need_a_port() {
+        let client = reqwest::Client::new();
+        assert!(DnsReplicas::new("vllm.ns.svc:8000", client.clone()).is_ok());
+        for bad in ["vllm.ns.svc", ":8000", "vllm:http"] {
+            assert!(DnsReplicas::new(bad, client.clone()).is_err(), "{bad}");
         }
     }
 

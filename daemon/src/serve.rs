@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use crate::config::{EndpointSpec, ServeArgs};
-use crate::discovery::{ConfigFileSource, Discovery, KvEventSources};
+use crate::discovery::{ConfigFileSource, Discovery, DnsReplicas, KvEventSources};
 use crate::metrics::EndpointLabel;
 use crate::state::{Daemon, Endpoint, EndpointStatus};
 
@@ -37,6 +37,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.discover.clone(),
             client.clone(),
         )));
+    }
+    for name in &args.discover_dns {
+        sources.push(Box::new(DnsReplicas::new(name, client.clone())?));
     }
     let daemon = Arc::new(Daemon::new(settings));
     let fleet = Fleet {

@@ -375,6 +375,29 @@ fn follows_emulated_replicas_found_through_kv_event_sources() {
 }
 
 #[test]
+fn follows_replicas_behind_a_dns_name_by_their_addresses() {
+    let replica = EmuProcess::start(&["--block-size", "16"]);
+    let port = replica.http.rsplit_once(':').unwrap().1;
+    // `localhost` may also resolve to ::1, where nothing listens: that address is skipped
+    // until it answers, and the IPv4 one is followed under its address.
+    let daemon = DaemonProcess::start(&["--discover-dns", &format!("localhost:{port}")]);
+    daemon.wait_ready();
+    let messages = json!([{"role": "user", "content": "resolve me ".repeat(80)}]);
+    let (_, tokenized) = replica.post("/tokenize", &json!({"messages": messages}));
+    let tokens: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).unwrap();
+    let k = keys(&tokens);
+    let (status, _) = replica.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    wait_for("the replica's blocks under its address", || {
+        daemon.matched(&k, &replica.http) == k.len() as u64
+    });
+    assert_eq!(daemon.lookup(&k)["ranked"][0], replica.http.as_str());
+}
+
+#[test]
 fn a_replica_with_another_block_size_or_hash_algo_is_flagged_from_its_metrics() {
     let wrong_size = EmuProcess::start(&["--block-size", "32"]);
     let opaque = EmuProcess::start(&["--block-size", "16", "--engine-hash", "opaque"]);

@@ -10,21 +10,20 @@ Every finding is collected; the run fails once, at the end, listing them all. Se
    (core/src/route.rs); kvaffined's flags and endpoint file are read from
    daemon/src/config.rs;
 4. the Kubernetes overlays agree with themselves and with those: vLLM flags, kvaffined
-   flags, mounts, the ECDS file, the module, Service names, every filter configuration;
+   flags and endpoint discovery (--discover-dns against the replicas' Service and the
+   gateway's pool, or a --config file from a ConfigMap), mounts, unused volumes and
+   ConfigMaps, the ECDS file, the module, Service names, every filter configuration;
 5. Kong's settings and declarative files (decK format), their filter configurations;
 6. real Envoy (`envoy --mode validate`) on every bootstrap, on each with the ECDS resource
-   inlined, and on configurations assembled from the Envoy Gateway and Istio resources;
-7. the endpoint resolver runs (against localhost) and writes files kvaffined accepts.
+   inlined, and on configurations assembled from the Envoy Gateway and Istio resources.
 """
 
 import argparse
 import base64
 import copy
-import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -284,6 +283,17 @@ def flag_value(args, flag):
     return None
 
 
+def flag_values(args, flag):
+    """Every value of a repeatable flag, in order."""
+    values = []
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            values.append(args[i + 1])
+        elif arg.startswith(flag + "="):
+            values.append(arg[len(flag) + 1:])
+    return values
+
+
 def pod_spec(obj):
     return obj["spec"]["template"]["spec"]
 
@@ -291,13 +301,6 @@ def pod_spec(obj):
 def containers_of(obj):
     spec = pod_spec(obj)
     return spec.get("containers", []) + spec.get("initContainers", [])
-
-
-def mount_dir(obj, container, volume):
-    for mount in container.get("volumeMounts", []):
-        if mount["name"] == volume:
-            return mount["mountPath"]
-    return None
 
 
 def volume_named(obj, name):
@@ -375,6 +378,7 @@ def check_overlay(label, objects, context):
     daemon_flags = {f["long"] for f in context["serve_args"]}
     daemons = [(obj, c) for (kind, _), obj in objects.items() if kind == "Deployment"
                for c in pod_spec(obj)["containers"] if c["name"] == "kvaffined"]
+    dns_targets, sources = set(), []
     if len(daemons) != 1:
         fail(where, f"{len(daemons)} kvaffined containers (want 1)")
     for obj, daemon in daemons:
@@ -388,10 +392,6 @@ def check_overlay(label, objects, context):
             fail(where, f"kvaffined --block-size {flag_value(dargs, '--block-size')} != vLLM's {block_size}")
         if (flag_value(dargs, "--topic") or "") != context["topic"]:
             fail(where, f"kvaffined --topic {flag_value(dargs, '--topic')!r} != vLLM's {context['topic']!r}")
-        config = flag_value(dargs, "--config")
-        volume, mount = volume_for_path(obj, daemon, config or "")
-        if not volume:
-            fail(where, f"kvaffined's --config {config} is on no mounted volume")
         listen = flag_value(dargs, "--listen")
         standalone = obj["metadata"]["name"] == "kvaffined"
         if standalone:
@@ -407,48 +407,87 @@ def check_overlay(label, objects, context):
                        for h in a.get("hostnames", [])}
             if "kvaffined" not in aliases:
                 fail(where, "the sidecar pod must alias kvaffined to 127.0.0.1 for the bootstrap's cluster")
-        check_discovery(where, objects, obj, daemon, config, volume, context)
+        dns_targets = check_discovery(where, objects, obj, daemon, dargs, context)
+        sources += [f for f in ("--discover-dns", "--config", "--discover", "--endpoint") if flag_values(dargs, f)]
+    check_unused(where, objects)
     gateway = objects.get(("Deployment", "kvaffine-gateway"))
     if gateway:
-        check_gateway(where, objects, gateway, context)
-    ok(f"overlay {label}: vLLM, kvaffined{', gateway' if gateway else ''} consistent", start)
+        check_gateway(where, objects, gateway, context, dns_targets)
+    ok(f"overlay {label}: vLLM, kvaffined ({' '.join(sources)}){', gateway' if gateway else ''} consistent",
+       start)
 
 
-def check_discovery(where, objects, obj, daemon, config, volume, context):
-    resolver = next((c for c in pod_spec(obj).get("initContainers", []) if c["name"] == "kvaffined-endpoints"),
-                    None)
-    if resolver:
-        env = {e["name"]: e.get("value") for e in resolver.get("env", [])}
-        if resolver.get("restartPolicy") != "Always":
-            fail(where, "the resolver must be a native sidecar (restartPolicy: Always)")
-        if env.get("KVAFFINE_ENDPOINTS_FILE") != config:
-            fail(where, f"the resolver writes {env.get('KVAFFINE_ENDPOINTS_FILE')}, kvaffined reads {config}")
-        if mount_dir(obj, resolver, volume["name"] if volume else "") is None:
-            fail(where, "the resolver does not mount kvaffined's endpoint volume")
-        if not volume or "emptyDir" not in volume:
-            fail(where, "the resolver's endpoint volume must be an emptyDir")
-        svc = objects.get(("Service", env.get("KVAFFINE_REPLICAS_SERVICE")))
-        if not svc or svc["spec"].get("clusterIP") != "None":
-            fail(where, f"KVAFFINE_REPLICAS_SERVICE {env.get('KVAFFINE_REPLICAS_SERVICE')} is not a headless Service")
-        elif int(env.get("KVAFFINE_REPLICAS_PORT", "0")) not in {p["port"] for p in svc["spec"]["ports"]}:
-            fail(where, "KVAFFINE_REPLICAS_PORT is not a port of the replicas' Service")
-        script = resolver["command"][-1]
-        svol, smount = volume_for_path(obj, resolver, script)
-        cm = configmap_by_volume(objects, svol)
-        if not cm or os.path.basename(script) not in cm.get("data", {}):
-            fail(where, f"the resolver's script {script} is not in a mounted ConfigMap")
-        return
-    cm = configmap_by_volume(objects, volume)
-    if not cm:
-        fail(where, "kvaffined's endpoint file comes from neither the resolver nor a ConfigMap")
-        return
-    key = os.path.basename(config)
-    if key not in cm.get("data", {}):
-        fail(where, f"ConfigMap {cm['metadata']['name']} has no {key}")
-        return
-    errors = sorted(context["endpoints_validator"].iter_errors(json.loads(cm["data"][key])), key=str)
-    for err in errors:
-        fail(where, f"{key}: {err.message}")
+def check_discovery(where, objects, obj, daemon, dargs, context):
+    """kvaffined's endpoint sources; the (Service, port) pairs its --discover-dns names."""
+    config = flag_value(dargs, "--config")
+    dns = flag_values(dargs, "--discover-dns")
+    if not (config or dns or flag_values(dargs, "--discover") or flag_values(dargs, "--endpoint")):
+        fail(where, "kvaffined is given no endpoints (--config, --discover-dns, --discover or --endpoint)")
+    if config and dns:
+        fail(where, "kvaffined has both --config and --discover-dns: one discovery component, not two")
+    targets = set()
+    for value in dns:
+        name, _, port = value.rpartition(":")
+        if not name or not port.isdigit():
+            fail(where, f"--discover-dns {value!r} is not NAME:PORT")
+            continue
+        # The headless Service as the daemon's pod resolves it: SERVICE, SERVICE.NAMESPACE,
+        # SERVICE.NAMESPACE.svc or SERVICE.NAMESPACE.svc.cluster.local (trailing dot allowed).
+        labels = name.rstrip(".").split(".")
+        namespace = labels[1] if len(labels) > 1 else obj["metadata"].get("namespace")
+        if len(labels) > 2 and labels[2:] not in (["svc"], ["svc", "cluster", "local"]):
+            fail(where, f"--discover-dns {name} is not SERVICE.NAMESPACE.svc.cluster.local")
+            continue
+        svc = objects.get(("Service", labels[0]))
+        if not svc or svc["metadata"].get("namespace") != namespace:
+            fail(where, f"--discover-dns {name}: no Service {labels[0]} in namespace {namespace} in the overlay")
+            continue
+        if svc["spec"].get("clusterIP") != "None":
+            fail(where, f"--discover-dns {name}: Service {labels[0]} is not headless (its DNS name would be "
+                 "one virtual IP, not the replicas)")
+        if svc["spec"].get("ipFamilyPolicy", "SingleStack") != "SingleStack":
+            fail(where, f"--discover-dns {name}: Service {labels[0]} must be single-stack; kvaffined follows "
+                 "every address, Envoy's pool one family")
+        if int(port) not in {p["port"] for p in svc["spec"]["ports"]}:
+            fail(where, f"--discover-dns {value}: Service {labels[0]} has no port {port}")
+        targets.add((labels[0], int(port)))
+    if config:
+        volume, _ = volume_for_path(obj, daemon, config)
+        if not volume:
+            fail(where, f"kvaffined's --config {config} is on no mounted volume")
+            return targets
+        cm = configmap_by_volume(objects, volume)
+        if not cm:
+            fail(where, f"kvaffined's --config {config} is not from a ConfigMap")
+            return targets
+        key = os.path.basename(config)
+        if key not in cm.get("data", {}):
+            fail(where, f"ConfigMap {cm['metadata']['name']} has no {key}")
+            return targets
+        errors = sorted(context["endpoints_validator"].iter_errors(json.loads(cm["data"][key])), key=str)
+        for err in errors:
+            fail(where, f"{key}: {err.message}")
+    return targets
+
+
+def check_unused(where, objects):
+    """Every pod volume is mounted, every ConfigMap a volume, nothing local-config left."""
+    used = set()
+    for (kind, name), obj in objects.items():
+        annotations = obj.get("metadata", {}).get("annotations") or {}
+        if annotations.get("config.kubernetes.io/local-config") == "true":
+            fail(where, f"{kind}/{name} is local-config: kustomize should have dropped it")
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        mounted = {m["name"] for c in containers_of(obj) for m in c.get("volumeMounts", [])}
+        for volume in pod_spec(obj).get("volumes", []):
+            if volume["name"] not in mounted:
+                fail(where, f"{kind}/{name}: volume {volume['name']} is mounted by no container")
+            if "configMap" in volume:
+                used.add(volume["configMap"]["name"])
+    for (kind, name) in objects:
+        if kind == "ConfigMap" and name not in used:
+            fail(where, f"ConfigMap {name} is used by no volume")
 
 
 def configured_filter(ecds, where):
@@ -489,7 +528,7 @@ def check_filter_json(filter_json, where, context, clusters=None):
                 fail(where, f"{key} {filter_json.get(key)!r} is not a cluster ({', '.join(sorted(clusters))})")
 
 
-def check_gateway(where, objects, gateway, context):
+def check_gateway(where, objects, gateway, context, dns_targets):
     envoy = next((c for c in pod_spec(gateway)["containers"] if c["name"] == "envoy"), None)
     if not envoy:
         fail(where, "the gateway Deployment has no container named envoy")
@@ -539,6 +578,13 @@ def check_gateway(where, objects, gateway, context):
                     .get("override_host_sources", [])]
     if header not in pool_sources:
         fail(where, f"the pool cluster does not read the filter's {header} (override_host)")
+    pool_targets = {(e["endpoint"]["address"]["socket_address"]["address"],
+                     e["endpoint"]["address"]["socket_address"]["port_value"])
+                    for group in clusters.get("pool", {}).get("load_assignment", {}).get("endpoints", [])
+                    for e in group["lb_endpoints"]}
+    if dns_targets and dns_targets != pool_targets:
+        fail(where, f"kvaffined --discover-dns follows {sorted(dns_targets)} but the pool resolves "
+             f"{sorted(pool_targets)}: the addresses it pins to must be the pool's")
     aliases = {h for a in pod_spec(gateway).get("hostAliases", []) for h in a.get("hostnames", [])}
     for cluster in clusters.values():
         for group in cluster.get("load_assignment", {}).get("endpoints", []):
@@ -948,66 +994,6 @@ def check_kong(kong_dir, context):
 
 
 # ---------------------------------------------------------------------------------------
-# 6. The resolver.
-
-def check_resolver(script, work, validator):
-    section("7. the endpoint resolver")
-    for mode, expect in (("kv_event_sources", "discover"), ("ports", "endpoints")):
-        out = work / f"resolver-{mode}.json"
-        env = dict(os.environ, KVAFFINE_REPLICAS_SERVICE="localhost", KVAFFINE_REPLICAS_PORT="8000",
-                   KVAFFINE_ENDPOINTS_FILE=str(out), KVAFFINE_DISCOVERY=mode)
-        run = subprocess.run([sys.executable, str(script), "--once"], env=env, capture_output=True,
-                             text=True, timeout=30)
-        if run.returncode != 0 or not out.exists():
-            fail("resolve_endpoints.py", f"{mode}: exit {run.returncode}: {run.stderr.strip()}")
-            continue
-        doc = json.loads(out.read_text(encoding="utf-8"))
-        for err in validator.iter_errors(doc):
-            fail("resolve_endpoints.py", f"{mode}: kvaffined would refuse {doc}: {err.message}")
-        if not doc.get(expect):
-            fail("resolve_endpoints.py", f"{mode}: localhost resolved to no {expect}: {doc}")
-        else:
-            ok(f"resolver ({mode}) wrote {json.dumps(doc)}")
-    # DNS answers, simulated: no records, a failing resolver, both families, IPv6 only.
-    spec = importlib.util.spec_from_file_location("resolve_endpoints", script)
-    resolver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(resolver)
-    real = socket.getaddrinfo
-
-    def answers(*addresses, error=None):
-        def fake(*_args, **_kwargs):
-            if error is not None:
-                raise socket.gaierror(error, "simulated")
-            return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 8000))
-                    for a in addresses]
-        return fake
-
-    cases = [
-        ("no ready replica", answers(error=socket.EAI_NONAME), {"discover": []}),
-        ("both families", answers("10.0.0.10", "fd00::1", "10.0.0.9"), {"discover": ["10.0.0.9:8000", "10.0.0.10:8000"]}),
-        ("IPv6 only", answers("fd00::2", "fd00::1"), {"discover": ["[fd00::1]:8000", "[fd00::2]:8000"]}),
-        ("resolver down", answers(error=socket.EAI_AGAIN), OSError),
-    ]
-    resolver.MODE, resolver.PORT = "kv_event_sources", 8000
-    start = len(FAILURES)
-    try:
-        for label, fake, expected in cases:
-            socket.getaddrinfo = fake
-            try:
-                got = resolver.document(resolver.resolve())
-            except OSError:
-                got = OSError
-            if got != expected:
-                fail("resolve_endpoints.py", f"{label}: {got} instead of {expected}")
-            elif isinstance(got, dict):
-                for err in validator.iter_errors(got):
-                    fail("resolve_endpoints.py", f"{label}: kvaffined would refuse {got}: {err.message}")
-    finally:
-        socket.getaddrinfo = real
-    ok("resolver: no records -> empty list; resolver failure -> list kept; IPv4 preferred, IPv6 bracketed", start)
-
-
-# ---------------------------------------------------------------------------------------
 
 def main():
     parser = argparse.ArgumentParser()
@@ -1036,9 +1022,9 @@ def main():
     meta = json.loads((args.deploy / "kong/kvaffine.meta.json").read_text(encoding="utf-8"))
     context["filter_validator"] = check_filter_schema(meta, filter_fields)
     start = len(FAILURES)
-    validator = endpoints_schema(rust_struct_fields(args.repo / "daemon/src/config.rs", "ConfigFile"),
-                                 rust_struct_fields(args.repo / "daemon/src/config.rs", "EndpointSpec"))
-    context["endpoints_validator"] = validator
+    context["endpoints_validator"] = endpoints_schema(
+        rust_struct_fields(args.repo / "daemon/src/config.rs", "ConfigFile"),
+        rust_struct_fields(args.repo / "daemon/src/config.rs", "EndpointSpec"))
     ok("kvaffined's flags and endpoint file format read from daemon/src/config.rs", start)
 
     section("4. the Kubernetes overlays agree with themselves")
@@ -1057,9 +1043,6 @@ def main():
     validate_gateways_with_envoy(args.envoy, context, args.work, args.wasm)
     check_envoy_gateway(args.rendered / "envoy-gateway.yaml", args.envoy, context, args.work, args.wasm)
     check_istio(args.rendered / "istio.yaml", args.envoy, context, args.work, args.wasm, services)
-
-    check_resolver(args.deploy / "kubernetes/components/discovery-dns/resolve_endpoints.py", args.work,
-                   validator)
 
     print()
     if FAILURES:

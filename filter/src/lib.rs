@@ -6,8 +6,11 @@
 //! request unpinned, so routing can lose affinity but never a request. Decisions are
 //! made in `kvaffine_core::route`; this crate only moves bytes between it and the host.
 //!
-//! Host calls go through `proxy_wasm::hostcalls`, which return `Result`s; the SDK's
-//! trait helpers unwrap them and would trap the VM (stranding the paused request).
+//! Host calls go through `proxy_wasm::hostcalls`, which return `Result`s for the statuses
+//! a host documents; a few (header setters, `set_property`, resume) still panic on any
+//! other status, which would trap the VM and strand the paused request. The filter only
+//! makes those calls with arguments it has checked (endpoints are `host:port` with a
+//! numeric port before they are pinned), while the request's headers are still held.
 
 mod stats;
 
@@ -307,7 +310,7 @@ impl Request {
             }
             None => {
                 // Counted above.
-                self.record_unpinned(Outcome::TokenizeFailed, "precise");
+                self.record_unpinned(Outcome::TokenizeFailed, mode_name(self.mode));
                 false
             }
         }
@@ -438,8 +441,11 @@ impl HttpContext for Request {
         }
         let is_post = request_header(":method").is_some_and(|m| m == b"POST");
         let api = request_header(":path").and_then(|p| self.router.api(&p));
+        // Kong never says end of stream here, and may not call the body callback for an
+        // empty body: a declared empty body has no prompt, whatever the host says.
+        let empty = request_header("content-length").is_some_and(|l| l == b"0");
         match (is_post, api) {
-            (true, Some(api)) if !end_of_stream => {
+            (true, Some(api)) if !end_of_stream && !empty => {
                 self.started = Some(now());
                 self.phase = Phase::Buffering(api);
                 Action::Pause

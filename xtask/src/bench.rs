@@ -157,10 +157,7 @@ pub fn seed() -> anyhow::Result<()> {
 
 /// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`.
 pub fn peers() -> anyhow::Result<()> {
-    sh::ensure_venv(&[
-        ("vllm_router/__init__.py", "vllm-router==0.1.17"),
-        ("sglang_router/__init__.py", "sglang-router==0.3.2"),
-    ])?;
+    sh::ensure_venv(&["vllm-router==0.1.17", "sglang-router==0.3.2"])?;
     let out = sh::root().join("docs/benchmarks");
     let md = stack_bench(&["peers", &out.display().to_string()])?;
     println!("{md}");
@@ -234,7 +231,7 @@ pub fn reliability() -> anyhow::Result<()> {
 /// Runs `bench <args>` from `tests/e2e` against release builds of the stack.
 fn stack_bench(args: &[&str]) -> anyhow::Result<String> {
     sh::ensure_wasm_target()?;
-    sh::ensure_envoy()?;
+    sh::ensure_python_tools()?;
     sh::build_filter()?;
     sh::cargo(&[
         "build",
@@ -274,7 +271,7 @@ pub fn filter() -> anyhow::Result<()> {
     writeln!(md, "Machine: {}.\n", machine())?;
     writeln!(
         md,
-        "Each row sends the same chat requests through one Envoy twice, interleaved round by round: `/direct/` (the filter disabled on that route, round robin) and `/` (the filter: buffer, `/tokenize` callout, keys, lookup callout, pin). Client, Envoy, replicas and kvaffined share the machine's 2 cores.\n"
+        "Each block of rows sends the same chat requests through one Envoy along each path in turn, interleaved round by round: `/direct/` (the filter disabled on that route, round robin: the baseline of the \"added\" columns), `/load-only/`, `/approximate/` and `/` (precise: buffer, `/tokenize` callout, keys, lookup callout, pin). Client, Envoy, replicas and kvaffined share the machine's 2 cores. CPU comes from /proc (per-thread schedstat, nanoseconds; runs before that used 10 ms ticks, so their per-request CPU moves in steps of 25-62 us).\n"
     )?;
     writeln!(
         md,

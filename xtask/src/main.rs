@@ -83,10 +83,10 @@ fn fuzz(target: &str, seconds: &str) -> anyhow::Result<()> {
 
 /// Everything CI checks, in the order that fails fastest.
 fn test() -> anyhow::Result<()> {
-    sh::ensure_wasm_target()?;
     sh::ensure_lint_components()?;
-    sh::ensure_envoy()?;
     sh::cargo(&["fmt", "--all", "--", "--check"])?;
+    sh::ensure_wasm_target()?;
+    sh::ensure_python_tools()?;
     sh::cargo(&[
         "clippy",
         "--workspace",

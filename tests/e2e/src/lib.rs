@@ -300,16 +300,16 @@ impl Stack {
     }
 
     /// A filter metric by its defined name (`kvaffine.requests`...), from whichever
-    /// gateway runs it (Envoy: `wasmcustom.<name>`; Kong: `pw.<filter>.<name>`).
-    pub fn filter_metric(&self, name: &str) -> f64 {
+    /// gateway runs it (Envoy: `wasmcustom.<name>`; Kong: `pw.<filter>.<name>`); `None`
+    /// when the filter never defined it.
+    pub fn filter_metric(&self, name: &str) -> Option<f64> {
         match self.config.gateway {
-            Gateway::Envoy => self.stat(&format!("wasmcustom.{name}")),
+            Gateway::Envoy => self.stat_value(&format!("wasmcustom.{name}")),
             Gateway::Kong { .. } => {
                 let (_, text) = http(&self.gateway, "GET", "/_wasm_host/metrics", "");
                 serde_json::from_str::<Value>(&text)
                     .ok()
                     .and_then(|m| m.pointer(&format!("/pw.kvaffine.{name}/value"))?.as_f64())
-                    .unwrap_or(0.0)
             }
         }
     }
@@ -404,18 +404,21 @@ impl Stack {
 
     /// A counter or gauge from Envoy's stats (0 when absent).
     pub fn stat(&self, name: &str) -> f64 {
+        self.stat_value(name).unwrap_or(0.0)
+    }
+
+    /// A counter or gauge from Envoy's stats, if Envoy has it.
+    fn stat_value(&self, name: &str) -> Option<f64> {
         let (_, text) = http(
             &self.admin,
             "GET",
             &format!("/stats?filter=^{}$", name.replace('.', "\\.")),
             "",
         );
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(&format!("{name}: "))
-                    .and_then(|v| v.trim().parse().ok())
-            })
-            .unwrap_or(0.0)
+        text.lines().find_map(|l| {
+            l.strip_prefix(&format!("{name}: "))
+                .and_then(|v| v.trim().parse().ok())
+        })
     }
 
     /// Kills the daemon (the gateway keeps serving, unpinned).

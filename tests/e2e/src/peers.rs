@@ -86,11 +86,15 @@ fn venv_bin(name: &str) -> PathBuf {
     root().join(".venv/bin").join(name)
 }
 
-/// A port free right now. The peers take `--port` and cannot report a port they chose.
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// Two ports free right now, distinct (both are held until both are chosen). The peers
+/// take `--port` and cannot report a port they chose; a port taken between here and the
+/// peer's bind fails its start loudly.
+fn free_ports() -> anyhow::Result<(u16, u16)> {
+    let (a, b) = (
+        std::net::TcpListener::bind("127.0.0.1:0")?,
+        std::net::TcpListener::bind("127.0.0.1:0")?,
+    );
+    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
 }
 
 impl PeerProcess {
@@ -101,7 +105,7 @@ impl PeerProcess {
         replicas: &[EmuProcess],
         block_size: usize,
     ) -> anyhow::Result<Option<Self>> {
-        let (port, metrics_port) = (free_port()?, free_port()?);
+        let (port, metrics_port) = free_ports()?;
         let workers: Vec<String> = replicas
             .iter()
             .map(|r| format!("http://{}", r.http))
@@ -253,11 +257,15 @@ pub fn seed(pairs: usize) -> anyhow::Result<Vec<SeedPair>> {
         .as_nanos();
     let mut out = Vec::new();
     for index in 0..pairs {
-        for (arm, peer) in ARMS.iter().zip(&peers) {
+        for (arm_index, (arm, peer)) in ARMS.iter().zip(&peers).enumerate() {
             let base = base_url(*arm, &stack, peer.as_ref());
             let (addr, prefix) = split_url(&base);
             let path = format!("{prefix}v1/responses");
-            let salt = format!("{nonce:x}-{index}-{}", arm.name.replace(' ', "-"));
+            // Fixed width, so every arm's prompts have the calibrated token count.
+            let salt = format!(
+                "{:032x}",
+                nonce ^ ((index * ARMS.len() + arm_index) as u128) << 64
+            );
             let mut first = crate::seed::first_turn(words, &salt);
             salt_as_text(&mut first);
             let before = queried_tokens(&replicas);
@@ -577,7 +585,7 @@ pub fn write(
             .map(|p| 100.0 * p.cached_tokens as f64 / p.input_tokens.max(1) as f64)
             .collect();
         let warm = mine.iter().filter(|p| p.warm_return).count();
-        let latency = latency_of(arm.name);
+        let latency = seed_latency(seed, arm.name);
         writeln!(
             md,
             "| {} | {warm}/{} | {:.2}% | {latency:.1} ms | {} |",

@@ -275,7 +275,8 @@ pub fn run(
 }
 
 /// Prompt tokens each replica has been asked for (`vllm:prefix_cache_queries_total`):
-/// where the load went, whichever router sent it.
+/// where the load went, whichever router sent it. A replica that does not answer counts
+/// 0 (it served nothing that can be counted).
 pub fn queried_tokens(replicas: &[String]) -> Vec<u64> {
     replicas
         .iter()
@@ -328,10 +329,17 @@ pub fn run_through<T>(
     let start = Instant::now();
     let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack))?;
     let wall = start.elapsed();
+    // A counter that went backwards belongs to a restarted replica: all of it is new.
     let replica_tokens = queried_tokens(&ctx.replicas)
         .iter()
         .zip(before)
-        .map(|(after, before)| after.saturating_sub(before))
+        .map(|(&after, before)| {
+            if after >= before {
+                after - before
+            } else {
+                after
+            }
+        })
         .collect();
     drop(guard);
     Ok(Run {
@@ -390,7 +398,7 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
                 .collect();
             let mut rng = XorShift64::from_state(23);
             for step in 0..60 {
-                // Weight 1/(i+1): session 0 is visited about five times as often as session 9.
+                // Weight 1/(i+1): session 0 is visited ten times as often as session 9.
                 let total: f64 = (1..=20).map(|i| 1.0 / f64::from(i)).sum();
                 let mut pick = rng.unit() * total;
                 let mut i = 0;
@@ -469,13 +477,11 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
             let system = text(2500, 700);
             let sessions = (0..24)
                 .map(|i| {
-                    let mut s = Session::new(
+                    Session::new(
                         &system,
                         &format!("question {i}: {}", text(100, 800 + i)),
                         json!({}),
-                    );
-                    s.fields = json!({});
-                    s
+                    )
                 })
                 .collect();
             collect(&sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 17).await)

@@ -41,21 +41,44 @@ pub fn oracle(replicas: &[String], body: &Value) -> u64 {
         .unwrap_or(0)
 }
 
-/// Moves `cache_salt` into the text: the first message starts with it. Requests keep
-/// distinct prefixes exactly where their salts differed.
+/// Moves `cache_salt` into the text: the conversation opens with it (Responses: the
+/// instructions, or a text input; chat: the first message, as text or as a leading text
+/// part). Requests keep distinct prefixes exactly where their salts differed.
+///
+/// # Panics
+/// On a body with a salt and no text to put it in, rather than drop the isolation.
 pub fn salt_as_text(body: &mut Value) {
     let Some(salt) = body.as_object_mut().and_then(|b| b.remove("cache_salt")) else {
         return;
     };
-    let salt = salt.as_str().unwrap_or_default().to_owned();
-    // Chat: the first message; Responses: the instructions, rendered first.
-    let first = match body.get("instructions") {
-        Some(_) => body.pointer_mut("/instructions"),
-        None => body.pointer_mut("/messages/0/content"),
+    let tag = match &salt {
+        Value::String(s) => format!("[{s}] "),
+        other => format!("[{other}] "),
     };
-    if let Some(first) = first {
-        *first = json!(format!("[{salt}] {}", first.as_str().unwrap_or_default()));
-    }
+    let prefix = |text: &mut Value| match text {
+        Value::String(s) => {
+            s.insert_str(0, &tag);
+            true
+        }
+        Value::Array(parts) => {
+            parts.insert(0, json!({"type": "text", "text": tag}));
+            true
+        }
+        _ => false,
+    };
+    let done = if let Some(instructions) = body.get_mut("instructions") {
+        prefix(instructions)
+    } else if let Some(content) = body.pointer_mut("/messages/0/content") {
+        prefix(content)
+    } else if let Some(input @ Value::String(_)) = body.get_mut("input") {
+        prefix(input)
+    } else {
+        false
+    };
+    assert!(
+        done,
+        "cannot move cache_salt {salt} into the text of {body}"
+    );
 }
 
 /// Sends one streaming chat request through the context's URL and reassembles the

@@ -316,6 +316,22 @@ fn usage(prompt: usize, cached: usize, output: &Output) -> Value {
     })
 }
 
+/// Runs a non-streamed request in its own task, so a client that disconnects cannot
+/// leave its admission (running count, held blocks) behind: the engine finishes it, as
+/// vLLM finishes or aborts a request whatever the HTTP side does.
+async fn run_to_end(
+    app: &Arc<App>,
+    prompt: &[u32],
+    extras: &KeyExtras,
+    output: &Output,
+) -> Result<usize, ApiError> {
+    let (app, prompt, extras, output) =
+        (app.clone(), prompt.to_vec(), extras.clone(), output.clone());
+    tokio::spawn(async move { run(&app, &prompt, &extras, &output, |_| {}, |_| {}).await })
+        .await
+        .map_err(|e| ApiError::bad(format!("the request's task failed: {e}")))?
+}
+
 /// Runs one request through the engine, streaming each generated piece to `on_piece` as
 /// its decode step completes. Returns the prompt's cached tokens.
 async fn run(
@@ -331,8 +347,9 @@ async fn run(
         .admit(prompt, extras)
         .await
         .map_err(|e| ApiError::bad(e.to_string()))?;
-    let cached = admission.cached_tokens;
+    // Known once scheduled: blocks cached while it waited count too.
     app.engine.prefill(prompt, extras, &mut admission).await;
+    let cached = admission.cached_tokens;
     on_first(cached);
     for piece in &output.pieces {
         app.engine.decode_step().await;
@@ -483,7 +500,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
         });
         return Ok(stream_response(rx));
     }
-    let cached = run(&app, &prompt, &extras, &output, |_| {}, |_| {}).await?;
+    let cached = run_to_end(&app, &prompt, &extras, &output).await?;
     let mut message = generate::message(&output);
     if output.tool_call.is_some() && output.content.is_empty() {
         message["content"] = Value::Null;
@@ -532,7 +549,7 @@ async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Respons
         });
         return Ok(stream_response(rx));
     }
-    let cached = run(&app, &prompt, &extras, &output, |_| {}, |_| {}).await?;
+    let cached = run_to_end(&app, &prompt, &extras, &output).await?;
     Ok(axum::Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": output.content, "logprobs": null, "finish_reason": output.finish_reason}],
@@ -652,12 +669,10 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
         });
         return Ok(stream_response(rx));
     }
-    let cached = run(&app, &prompt, &extras, &output, |_| {}, |_| {}).await?;
+    let cached = run_to_end(&app, &prompt, &extras, &output).await?;
     Ok(axum::Json(finish(cached)).into_response())
 }
 
-/// `POST /v1/responses/render` (vLLM with `--enable-scale-out`): the token ids a Responses
-/// request would be prefilled with, as a `GenerateRequest`.
 /// A chat request's prompt tokens: its messages rendered with the template.
 fn chat_prompt(body: &Value) -> Result<Vec<u32>, ApiError> {
     let tools = tools_of(body)?;
@@ -719,6 +734,8 @@ async fn completion_render(State(app): State<Arc<App>>, body: Bytes) -> Result<R
     Ok(rendered(&app, &body, tokens, body.get("max_tokens")))
 }
 
+/// `POST /v1/responses/render` (vLLM with `--enable-scale-out`): the token ids a Responses
+/// request would be prefilled with, as a `GenerateRequest`.
 async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse(&body)?;
     extras(&app, &body)?;
@@ -742,16 +759,7 @@ async fn debug_cached_tokens(
 ) -> Result<Response, ApiError> {
     let body = parse(&body)?;
     let extras = extras(&app, &body)?;
-    let tools = tools_of(&body)?;
-    let kwargs = template_kwargs(&body).map_err(|e| ApiError::bad(e.to_string()))?;
-    let text = render_chat(
-        messages_of(&body)?,
-        tools.as_deref(),
-        flag(&body, "add_generation_prompt", true)?,
-        flag(&body, "continue_final_message", false)?,
-        &kwargs,
-    )?;
-    let prompt = tokenizer::token_ids(&text);
+    let prompt = chat_prompt(&body)?;
     let cached = app.engine.cached_tokens(&prompt, &extras);
     Ok(axum::Json(json!({"cached_tokens": cached, "prompt_tokens": prompt.len()})).into_response())
 }

@@ -127,9 +127,9 @@ pub fn load_qwen(path: &Path) -> Result<Tokenizer, TokenizerError> {
     Ok(Tokenizer::Qwen(Box::new(core)))
 }
 
-/// The pieces of `text` and their ids; the pieces concatenate to `text` (a token that
-/// ends inside a UTF-8 character has an empty piece; the character goes with the token
-/// that completes it).
+/// The pieces of `text` and their ids; the pieces concatenate to `text` (with the Qwen
+/// tokenizer, to its NFC form; a token that ends inside a UTF-8 character has an empty
+/// piece, and the character goes with the token that completes it).
 pub fn tokenize(text: &str) -> Vec<(u32, String)> {
     match chosen() {
         Tokenizer::Hash => hash_tokenize(text)

@@ -1,7 +1,8 @@
 //! `kong-host`: the compiled filter behind a small Kong-like gateway on loopback.
 //!
 //! Prints `listening on ADDR` once it serves. The filter's metrics are at
-//! `GET /_wasm_host/metrics` (JSON) and its log at `GET /_wasm_host/logs`.
+//! `GET /_wasm_host/metrics` (JSON), its log at `GET /_wasm_host/logs`, and the number of
+//! streams open at `GET /_wasm_host/streams`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -17,17 +17,23 @@ mod status {
     pub const BAD_ARGUMENT: i32 = 2;
 }
 
-/// Buffer and map types of the ABI.
-mod kind {
+/// Buffer types of the ABI.
+mod buffer {
     pub const REQUEST_BODY: i32 = 0;
     pub const CALL_RESPONSE_BODY: i32 = 4;
     pub const VM_CONFIGURATION: i32 = 6;
     pub const PLUGIN_CONFIGURATION: i32 = 7;
+}
+
+/// Header map types of the ABI.
+mod map {
     pub const REQUEST_HEADERS: i32 = 0;
     pub const RESPONSE_HEADERS: i32 = 2;
     pub const CALL_RESPONSE_HEADERS: i32 = 6;
-    pub const STREAM_REQUEST: i32 = 0;
 }
+
+/// Stream types of the ABI.
+const STREAM_REQUEST: i32 = 0;
 
 /// The root context id; streams count up from 2.
 pub const ROOT_CONTEXT: u32 = 1;
@@ -40,7 +46,9 @@ pub type Headers = Vec<(String, Vec<u8>)>;
 pub struct Metric {
     /// Full name.
     pub name: String,
-    /// Counter/gauge value, or the sum of recorded histogram values.
+    /// Counter: 0; gauge: 1; histogram: 2 (the ABI's metric types).
+    pub kind: i32,
+    /// Counter total, gauge value, or the sum of recorded histogram values.
     pub value: i64,
     /// Histogram samples recorded (0 for counters and gauges).
     pub samples: u64,
@@ -119,7 +127,7 @@ struct HostState {
     pending_calls: Vec<CallRequest>,
     next_token: u32,
     metrics: Vec<Metric>,
-    logs: Vec<String>,
+    logs: std::collections::VecDeque<String>,
     random: u64,
 }
 
@@ -133,9 +141,9 @@ impl HostState {
 
     fn log(&mut self, line: String) {
         if self.logs.len() == LOG_LINES_KEPT {
-            self.logs.remove(0);
+            self.logs.pop_front();
         }
-        self.logs.push(line);
+        self.logs.push_back(line);
     }
 }
 
@@ -191,7 +199,7 @@ impl Vm {
             pending_calls: Vec::new(),
             next_token: 1,
             metrics: Vec::new(),
-            logs: Vec::new(),
+            logs: std::collections::VecDeque::new(),
             random: seed,
         };
         let mut store = Store::new(&engine, state);
@@ -211,7 +219,8 @@ impl Vm {
             instance.get_typed_func::<(i32, i32), i32>(&mut store, "proxy_on_configure")?;
         let size = i32::try_from(configuration.len()).context("configuration too large")?;
         if configure.call(&mut store, (root, size))? == 0 {
-            let logs = store.data().logs.join("\n");
+            let logs: Vec<&str> = store.data().logs.iter().map(String::as_str).collect();
+            let logs = logs.join("\n");
             bail!("the filter rejected its configuration:\n{logs}");
         }
         Ok(Self {
@@ -234,7 +243,7 @@ impl Vm {
             Err(err) => {
                 let message = format!("{err:?}");
                 tracing::error!(%message, "the filter trapped");
-                self.trapped = Some(message);
+                self.trapped.get_or_insert(message);
                 None
             }
         }
@@ -312,6 +321,11 @@ impl Vm {
 
     /// Delivers a callout's outcome to the filter.
     pub fn on_http_call_response(&mut self, call: &CallRequest, outcome: CallOutcome) {
+        // A stream that ended (its client went away) has its callouts cancelled, as hosts
+        // cancel a deleted context's calls.
+        if self.trapped.is_some() || !self.store.data().streams.contains_key(&call.stream) {
+            return;
+        }
         let (headers, body) = match &outcome {
             CallOutcome::Response { headers, body } => (headers.len() as i32, body.len() as i32),
             CallOutcome::Failed(_) => (0, 0),
@@ -332,6 +346,10 @@ impl Vm {
 
     /// `on_log`, `on_done` and `on_delete`: the stream is over.
     pub fn close_stream(&mut self, stream: u32) {
+        if self.trapped.is_some() {
+            self.store.data_mut().streams.remove(&stream);
+            return;
+        }
         self.store.data_mut().effective = stream;
         let id = stream as i32;
         let result = self.exports.log.call(&mut self.store, id);
@@ -354,6 +372,11 @@ impl Vm {
         self.store.data_mut().streams.get_mut(&stream)
     }
 
+    /// Streams opened and not yet closed.
+    pub fn open_streams(&self) -> usize {
+        self.store.data().streams.len()
+    }
+
     /// Callouts made since the last call, for the host to carry out.
     pub fn take_calls(&mut self) -> Vec<CallRequest> {
         std::mem::take(&mut self.store.data_mut().pending_calls)
@@ -365,8 +388,8 @@ impl Vm {
     }
 
     /// The filter's recent log lines.
-    pub fn logs(&self) -> &[String] {
-        &self.store.data().logs
+    pub fn logs(&self) -> impl Iterator<Item = &str> {
+        self.store.data().logs.iter().map(String::as_str)
     }
 }
 
@@ -437,6 +460,11 @@ fn give(
     };
     let len = i32::try_from(bytes.len()).map_err(|_| wasmtime::Error::msg("buffer too large"))?;
     let ptr = allocate.call(&mut *caller, len)?;
+    if ptr == 0 && len > 0 {
+        return Err(wasmtime::Error::msg(
+            "the guest could not allocate a return buffer",
+        ));
+    }
     write(caller, ptr, bytes)?;
     write_u32(caller, ptr_out, ptr as u32)?;
     write_u32(caller, len_out, len as u32)?;
@@ -482,8 +510,8 @@ fn deserialize_map(bytes: &[u8]) -> Option<Headers> {
 /// The header map a map type names, for the effective context.
 fn header_map(state: &mut HostState, map: i32) -> Option<&mut Headers> {
     match map {
-        kind::REQUEST_HEADERS => state.stream().map(|s| &mut s.request_headers),
-        kind::RESPONSE_HEADERS => state.stream().map(|s| &mut s.response_headers),
+        map::REQUEST_HEADERS => state.stream().map(|s| &mut s.request_headers),
+        map::RESPONSE_HEADERS => state.stream().map(|s| &mut s.response_headers),
         _ => None,
     }
 }
@@ -522,8 +550,12 @@ fn define_wasi(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
          written: i32|
          -> wasmtime::Result<i32> {
             let mut text = Vec::new();
-            for n in 0..count {
-                let iov = read(&mut caller, iovs + n * 8, 8)?;
+            for n in 0..count.max(0) {
+                let at = n
+                    .checked_mul(8)
+                    .and_then(|offset| iovs.checked_add(offset))
+                    .ok_or_else(|| wasmtime::Error::msg("iovec out of range"))?;
+                let iov = read(&mut caller, at, 8)?;
                 let word = |at: usize| {
                     iov.get(at..at + 4)
                         .and_then(|b| b.try_into().ok())
@@ -612,10 +644,10 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
          -> wasmtime::Result<i32> {
             let state = c.data_mut();
             let bytes = match buffer {
-                kind::PLUGIN_CONFIGURATION => Some(state.plugin_configuration.clone()),
-                kind::VM_CONFIGURATION => None,
-                kind::REQUEST_BODY => state.stream().and_then(|s| s.request_body.clone()),
-                kind::CALL_RESPONSE_BODY => match &state.call_response {
+                buffer::PLUGIN_CONFIGURATION => Some(state.plugin_configuration.clone()),
+                buffer::VM_CONFIGURATION => None,
+                buffer::REQUEST_BODY => state.stream().and_then(|s| s.request_body.clone()),
+                buffer::CALL_RESPONSE_BODY => match &state.call_response {
                     Some(CallOutcome::Response { body, .. }) => Some(body.clone()),
                     _ => None,
                 },
@@ -649,7 +681,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
                 return Ok(status::NOT_FOUND);
             };
             match (buffer, &mut stream.request_body) {
-                (kind::REQUEST_BODY, Some(body))
+                (buffer::REQUEST_BODY, Some(body))
                     if start == 0 && size as u32 as usize >= body.len() =>
                 {
                     *body = bytes;
@@ -664,15 +696,18 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
         "proxy_get_header_map_pairs",
         |mut c: Ctx<'_>, map: i32, ptr_out: i32, len_out: i32| -> wasmtime::Result<i32> {
             let state = c.data_mut();
-            let pairs = if map == kind::CALL_RESPONSE_HEADERS {
+            let pairs = if map == map::CALL_RESPONSE_HEADERS {
                 call_headers(state)
             } else {
                 header_map(state, map).map(|h| h.clone())
             };
-            match pairs {
-                Some(pairs) => give(&mut c, &serialize_map(&pairs), ptr_out, len_out),
-                None => Ok(status::NOT_FOUND),
-            }
+            // A map the stream does not have is empty (the SDK panics on NotFound here).
+            give(
+                &mut c,
+                &serialize_map(&pairs.unwrap_or_default()),
+                ptr_out,
+                len_out,
+            )
         },
     )?;
     linker.func_wrap(
@@ -704,7 +739,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
          -> wasmtime::Result<i32> {
             let key = read_string(&mut c, key_ptr, key_len)?.to_ascii_lowercase();
             let state = c.data_mut();
-            let pairs = if map == kind::CALL_RESPONSE_HEADERS {
+            let pairs = if map == map::CALL_RESPONSE_HEADERS {
                 call_headers(state)
             } else {
                 header_map(state, map).map(|h| h.clone())
@@ -826,7 +861,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
         "proxy_continue_stream",
         |mut c: Ctx<'_>, stream_type: i32| -> i32 {
             match c.data_mut().stream() {
-                Some(stream) if stream_type == kind::STREAM_REQUEST => {
+                Some(stream) if stream_type == STREAM_REQUEST => {
                     stream.resumed = true;
                     status::OK
                 }
@@ -921,7 +956,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
     linker.func_wrap(
         ENV,
         "proxy_define_metric",
-        |mut c: Ctx<'_>, _kind: i32, ptr: i32, len: i32, id_out: i32| -> wasmtime::Result<i32> {
+        |mut c: Ctx<'_>, kind: i32, ptr: i32, len: i32, id_out: i32| -> wasmtime::Result<i32> {
             let name = read_string(&mut c, ptr, len)?;
             let state = c.data_mut();
             let full = format!("pw.{}.{name}", state.plugin_name);
@@ -930,6 +965,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
                 None => {
                     state.metrics.push(Metric {
                         name: full,
+                        kind,
                         value: 0,
                         samples: 0,
                     });
@@ -946,7 +982,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
         |mut c: Ctx<'_>, id: i32, offset: i64| -> i32 {
             match c.data_mut().metrics.get_mut(id as u32 as usize) {
                 Some(metric) => {
-                    metric.value += offset;
+                    metric.value = metric.value.saturating_add(offset);
                     status::OK
                 }
                 None => status::NOT_FOUND,
@@ -959,17 +995,18 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
         |mut c: Ctx<'_>, id: i32, value: i64| -> i32 {
             match c.data_mut().metrics.get_mut(id as u32 as usize) {
                 Some(metric) => {
-                    metric.value += value;
-                    metric.samples += 1;
+                    if metric.kind == 2 {
+                        metric.value = metric.value.saturating_add(value);
+                        metric.samples += 1;
+                    } else {
+                        metric.value = value;
+                    }
                     status::OK
                 }
                 None => status::NOT_FOUND,
             }
         },
     )?;
-    linker.func_wrap(ENV, "proxy_set_tick_period_milliseconds", |_: i32| -> i32 {
-        status::OK
-    })?;
     linker.func_wrap(ENV, "proxy_done", || -> i32 { status::OK })?;
     Ok(())
 }

@@ -117,15 +117,19 @@ impl Discovery for KvEventSources {
 }
 
 /// A DNS name whose addresses are the replicas (a Kubernetes headless Service), resolved
-/// on every poll; each address is asked for its `/kv_event_sources`. Replicas come and go
-/// with the name's records: an address that does not answer keeps its last answer while it
-/// stays in DNS and is not followed before it first answers, and a failed resolution keeps
-/// everything, so only DNS itself dropping an address stops its replica being followed.
+/// on every poll; every address is asked for its `/kv_event_sources`, all at once. The
+/// IPv4 addresses are followed when the name has any, else the IPv6 ones (as Envoy's
+/// `V4_PREFERRED` pool does), so a dual-stack pod is followed once. An address in DNS that
+/// does not answer keeps its last answer (a pod busy or restarting); one that never
+/// answered is not followed, and is logged once. When the name does not resolve (a DNS
+/// outage, or a Service with no ready pod), only the known replicas that still answer are
+/// kept.
 pub struct DnsReplicas {
     host: String,
     port: u16,
     client: reqwest::Client,
     known: parking_lot::Mutex<BTreeMap<String, Vec<EndpointSpec>>>,
+    warned: parking_lot::Mutex<BTreeSet<String>>,
 }
 
 impl DnsReplicas {
@@ -141,7 +145,29 @@ impl DnsReplicas {
             port,
             client,
             known: parking_lot::Mutex::new(BTreeMap::new()),
+            warned: parking_lot::Mutex::new(BTreeSet::new()),
         })
+    }
+
+    /// The addresses to follow now, and whether they come from DNS (false: from memory,
+    /// the name did not resolve).
+    async fn addresses(&self) -> (BTreeSet<String>, bool) {
+        match tokio::net::lookup_host((self.host.as_str(), self.port)).await {
+            Ok(resolved) => {
+                let all: Vec<std::net::SocketAddr> = resolved.collect();
+                let v4 = all.iter().any(std::net::SocketAddr::is_ipv4);
+                let chosen = all
+                    .iter()
+                    .filter(|a| a.is_ipv4() == v4)
+                    .map(ToString::to_string)
+                    .collect();
+                (chosen, true)
+            }
+            Err(err) => {
+                tracing::warn!(name = %self.host, "does not resolve, keeping the known replicas that answer: {err}");
+                (self.known.lock().keys().cloned().collect(), false)
+            }
+        }
     }
 }
 
@@ -152,27 +178,38 @@ impl Discovery for DnsReplicas {
 
     fn discover(&self) -> BoxFuture<'_, anyhow::Result<Vec<EndpointSpec>>> {
         Box::pin(async move {
-            let resolved = tokio::net::lookup_host((self.host.as_str(), self.port)).await;
-            let addresses: BTreeSet<String> = match resolved {
-                Ok(addresses) => addresses.map(|a| a.to_string()).collect(),
-                Err(err) => {
-                    tracing::warn!(name = %self.host, "cannot resolve, keeping the replicas known: {err}");
-                    self.known.lock().keys().cloned().collect()
-                }
-            };
-            let mut answers = BTreeMap::new();
+            let (addresses, in_dns) = self.addresses().await;
+            let mut probes = tokio::task::JoinSet::new();
             for address in addresses {
-                match event_sources(&self.client, &address).await {
+                let client = self.client.clone();
+                probes.spawn(async move {
+                    let answer = event_sources(&client, &address).await;
+                    (address, answer)
+                });
+            }
+            let mut answers = BTreeMap::new();
+            while let Some(probe) = probes.join_next().await {
+                let Ok((address, answer)) = probe else {
+                    continue;
+                };
+                match answer {
                     Ok(specs) => {
+                        self.warned.lock().remove(&address);
                         answers.insert(address, specs);
                     }
-                    Err(err) => match self.known.lock().get(&address).cloned() {
-                        Some(specs) => {
-                            tracing::warn!(%address, "no answer, keeping its endpoints: {err:#}");
-                            answers.insert(address, specs);
+                    Err(err) => {
+                        let known = self.known.lock().get(&address).cloned();
+                        match known.filter(|_| in_dns) {
+                            Some(specs) => {
+                                tracing::warn!(%address, "no answer, keeping its endpoints: {err:#}");
+                                answers.insert(address, specs);
+                            }
+                            None if self.warned.lock().insert(address.clone()) => {
+                                tracing::warn!(%address, "not followed until it answers /kv_event_sources (vLLM >= 0.31 with KV events on): {err:#}");
+                            }
+                            None => {}
                         }
-                        None => tracing::debug!(%address, "not answering yet: {err:#}"),
-                    },
+                    }
                 }
             }
             let specs = answers.values().flatten().cloned().collect();

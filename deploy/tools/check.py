@@ -445,9 +445,11 @@ def check_discovery(where, objects, obj, daemon, dargs, context):
         if svc["spec"].get("clusterIP") != "None":
             fail(where, f"--discover-dns {name}: Service {labels[0]} is not headless (its DNS name would be "
                  "one virtual IP, not the replicas)")
-        if svc["spec"].get("ipFamilyPolicy", "SingleStack") != "SingleStack":
-            fail(where, f"--discover-dns {name}: Service {labels[0]} must be single-stack; kvaffined follows "
-                 "every address, Envoy's pool one family")
+        # The default is SingleStack only for a Service with a selector.
+        default_policy = "SingleStack" if svc["spec"].get("selector") else None
+        if svc["spec"].get("ipFamilyPolicy", default_policy) != "SingleStack":
+            fail(where, f"--discover-dns {name}: Service {labels[0]} must be single-stack, so kvaffined "
+                 "and Envoy's pool see the same addresses")
         if int(port) not in {p["port"] for p in svc["spec"]["ports"]}:
             fail(where, f"--discover-dns {value}: Service {labels[0]} has no port {port}")
         targets.add((labels[0], int(port)))
@@ -480,6 +482,9 @@ def check_unused(where, objects):
         if kind not in ("Deployment", "StatefulSet"):
             continue
         mounted = {m["name"] for c in containers_of(obj) for m in c.get("volumeMounts", [])}
+        declared = {v["name"] for v in pod_spec(obj).get("volumes", [])}
+        for missing in sorted(mounted - declared):
+            fail(where, f"{kind}/{name}: a container mounts {missing}, which is no pod volume")
         for volume in pod_spec(obj).get("volumes", []):
             if volume["name"] not in mounted:
                 fail(where, f"{kind}/{name}: volume {volume['name']} is mounted by no container")

@@ -58,6 +58,8 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
     let sub = daemon.zmq.socket(zmq::SUB)?;
     sub.set_linger(0)?;
     sub.set_rcvhwm(RECEIVE_HWM)?;
+    // libzmq connects to IPv4 only unless told otherwise; replicas may be IPv6 pods.
+    sub.set_ipv6(true)?;
     sub.connect(&spec.events)
         .with_context(|| format!("cannot connect to {}", spec.events))?;
     sub.set_subscribe(daemon.settings.topic.as_bytes())?;
@@ -223,6 +225,7 @@ impl Follower<'_> {
                     if let Some(url) = &self.replay_url {
                         let dealer = self.daemon.zmq.socket(zmq::DEALER)?;
                         dealer.set_linger(0)?;
+                        dealer.set_ipv6(true)?;
                         dealer
                             .connect(url)
                             .with_context(|| format!("cannot connect to {url}"))?;

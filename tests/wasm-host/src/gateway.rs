@@ -158,10 +158,14 @@ async fn proxy(shared: &Arc<Shared>, request: Request) -> Result<Response, Refus
     let body = axum::body::to_bytes(request.into_body(), MAX_BODY)
         .await
         .map_err(|err| {
-            plain(
-                StatusCode::BAD_REQUEST,
-                format!("cannot read the body: {err}"),
-            )
+            // A chunked body past the limit fails with a length-limit error; anything
+            // else is a body the client did not finish.
+            let message = format!("cannot read the body: {err}");
+            if err.into_inner().is::<http_body_util::LengthLimitError>() {
+                plain(StatusCode::PAYLOAD_TOO_LARGE, "body too large")
+            } else {
+                plain(StatusCode::BAD_REQUEST, message)
+            }
         })?;
     let buffered = (body.len() <= shared.config.body_buffer).then(|| body.to_vec());
     let notify = Arc::new(Notify::new());

@@ -267,7 +267,10 @@ impl Vm {
             .exports
             .context_create
             .call(&mut self.store, (id as i32, ROOT_CONTEXT as i32));
-        self.guard(result)?;
+        if self.guard(result).is_none() {
+            self.store.data_mut().streams.remove(&id);
+            return None;
+        }
         Some(id)
     }
 

@@ -134,7 +134,13 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                 }
                 status.load = Some(scrape.load);
                 status.model = scrape.model.clone();
-                let misconfigured = mismatch(&daemon, &scrape);
+                // What the events showed stands, whatever /metrics says.
+                let misconfigured = mismatch(&daemon, &scrape).or_else(|| {
+                    status
+                        .misconfigured
+                        .clone()
+                        .filter(|_| status.misconfigured_by_events)
+                });
                 if misconfigured != status.misconfigured {
                     if let Some(reason) = &misconfigured {
                         error!(endpoint = %endpoint.spec.endpoint, "misconfigured: {reason}");

@@ -75,6 +75,9 @@ pub struct EndpointStatus {
     pub model: Option<String>,
     /// Why its settings do not match the daemon's, if they do not.
     pub misconfigured: Option<String>,
+    /// The mismatch was seen in its events (a scrape that sees none does not clear it).
+    #[serde(skip)]
+    pub misconfigured_by_events: bool,
     /// Why the last scrape failed, if it did.
     pub scrape_error: Option<String>,
     /// Lag of the last applied batch, from its timestamp.

@@ -193,6 +193,50 @@ fn a_foreign_block_size_marks_the_endpoint_misconfigured() {
 }
 
 #[test]
+fn a_block_size_only_the_events_show_stays_flagged_through_scrapes() {
+    // The replica's /metrics agrees with the daemon (16); its events say 32.
+    let replica = EmuProcess::start(&["--block-size", "16"]);
+    let ctx = zmq::Context::new();
+    let p = publisher(&ctx);
+    let mut event = stored(&prompt(50, 2), 0, own);
+    if let kvaffine_core::events::KvEvent::BlockStored(s) = &mut event {
+        s.block_size = 32;
+    }
+    p.publish(&batch(vec![event])).unwrap();
+    let daemon = DaemonProcess::start(&[
+        "--endpoint",
+        &endpoint_flag(&replica.http, &p),
+        "--scrape-interval-ms",
+        "20",
+    ]);
+    daemon.wait_ready();
+    wait_for("misconfiguration", || {
+        daemon.endpoint_status(&replica.http)["misconfigured"]
+            .as_str()
+            .is_some_and(|s| s.contains("block size 32"))
+    });
+    // Twenty-odd scrapes of an agreeing /metrics: the flag holds on every look (before the
+    // fix, the first of them cleared it for good, no later batch setting it again).
+    let window = std::time::Instant::now();
+    while window.elapsed() < std::time::Duration::from_millis(500) {
+        assert!(
+            daemon.endpoint_status(&replica.http)["misconfigured"]
+                .as_str()
+                .is_some_and(|s| s.contains("block size 32")),
+            "cleared by a scrape"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(
+        daemon.metric(&format!(
+            "kvaffined_endpoint_misconfigured{{endpoint=\"{}\"}}",
+            replica.http
+        )),
+        1.0
+    );
+}
+
+#[test]
 fn removals_cache_resets_and_config_changes_are_applied() {
     let ctx = zmq::Context::new();
     let (pa, pb) = (publisher(&ctx), publisher(&ctx));

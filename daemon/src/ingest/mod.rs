@@ -380,6 +380,7 @@ impl Follower<'_> {
                 error!(endpoint = %label.endpoint, "misconfigured: {reason}");
                 metrics.misconfigured.get_or_create(label).set(1);
                 status.misconfigured = Some(reason);
+                status.misconfigured_by_events = true;
             }
         }
     }

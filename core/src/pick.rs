@@ -121,15 +121,20 @@ impl PickPolicy {
     /// Order: usable before unusable; unsaturated before saturated; then the least
     /// [prefill cost](Self::cost), so a long cached prefix wins until the queue in front
     /// of it costs more than recomputing the prefix elsewhere; then fewer waiting, fewer
-    /// running, lower KV usage; then input order (stable).
+    /// running, lower KV usage; then input order starting at `rotation` (modulo the
+    /// candidates), so that requests nothing tells apart (new prompts on idle replicas,
+    /// between two scrapes) take turns instead of all going to the first replica.
     pub fn rank(
         &self,
         request_blocks: usize,
         candidates: &[Candidate],
+        rotation: usize,
     ) -> (Vec<usize>, PickReason) {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
         let key = |c: &Candidate| (!c.usable, self.saturated(&c.load));
         let tail = |c: &Candidate| (c.load.waiting, c.load.running);
+        let n = candidates.len().max(1);
+        let turn = |i: usize| (i + n - rotation % n) % n;
         order.sort_by(|&a, &b| match (candidates.get(a), candidates.get(b)) {
             (Some(x), Some(y)) => key(x)
                 .cmp(&key(y))
@@ -138,7 +143,8 @@ impl PickPolicy {
                         .total_cmp(&self.cost(request_blocks, y)),
                 )
                 .then(tail(x).cmp(&tail(y)))
-                .then(x.load.kv_cache_usage.total_cmp(&y.load.kv_cache_usage)),
+                .then(x.load.kv_cache_usage.total_cmp(&y.load.kv_cache_usage))
+                .then(turn(a).cmp(&turn(b))),
             _ => std::cmp::Ordering::Equal,
         });
         let Some(first) = order.first().and_then(|&i| candidates.get(i)) else {
@@ -180,14 +186,14 @@ mod tests {
     #[test]
     fn longest_prefix_wins_while_not_saturated() {
         let policy = PickPolicy::default();
-        let (order, reason) = policy.rank(10, &[c(2, 0), c(9, 0), c(0, 1)]);
+        let (order, reason) = policy.rank(10, &[c(2, 0), c(9, 0), c(0, 1)], 0);
         assert_eq!((order, reason), (vec![1, 0, 2], PickReason::Prefix));
     }
 
     #[test]
     fn affinity_yields_to_load_past_saturation() {
         let policy = PickPolicy::default();
-        let (order, reason) = policy.rank(10, &[c(0, 1), c(9, 8)]);
+        let (order, reason) = policy.rank(10, &[c(0, 1), c(9, 8)], 0);
         assert_eq!((order, reason), (vec![0, 1], PickReason::Saturated));
     }
 
@@ -197,7 +203,7 @@ mod tests {
             min_matched_blocks: 2,
             ..PickPolicy::default()
         };
-        let (order, reason) = policy.rank(10, &[c(1, 3), c(1, 1), c(0, 2)]);
+        let (order, reason) = policy.rank(10, &[c(1, 3), c(1, 1), c(0, 2)], 0);
         assert_eq!((order, reason), (vec![1, 2, 0], PickReason::Load));
     }
 
@@ -207,9 +213,9 @@ mod tests {
         let mut busy = c(4, 0);
         busy.load.pending_prefill_tokens = 1000;
         let idle = c(4, 0);
-        assert_eq!(policy.rank(10, &[busy, idle]).0, vec![1, 0]);
+        assert_eq!(policy.rank(10, &[busy, idle], 0).0, vec![1, 0]);
         busy.load.pending_prefill_tokens = policy.max_pending_prefill_tokens;
-        let (order, reason) = policy.rank(10, &[busy, c(0, 0)]);
+        let (order, reason) = policy.rank(10, &[busy, c(0, 0)], 0);
         assert_eq!((order, reason), (vec![1, 0], PickReason::Saturated));
     }
 
@@ -219,21 +225,21 @@ mod tests {
         let mut broken = c(9, 0);
         broken.usable = false;
         assert_eq!(
-            policy.rank(10, &[broken, c(0, 5)]),
+            policy.rank(10, &[broken, c(0, 5)], 0),
             (vec![1, 0], PickReason::Load)
         );
-        assert_eq!(policy.rank(10, &[]), (vec![], PickReason::NoCandidates));
+        assert_eq!(policy.rank(10, &[], 0), (vec![], PickReason::NoCandidates));
     }
 
     #[test]
     fn waiting_requests_break_ties_and_saturate_but_do_not_cost() {
         let policy = PickPolicy::default();
         assert_eq!(
-            policy.rank(10, &[c(10, 2), c(0, 0)]),
+            policy.rank(10, &[c(10, 2), c(0, 0)], 0),
             (vec![0, 1], PickReason::Prefix)
         );
         assert_eq!(
-            policy.rank(10, &[c(0, 2), c(0, 1)]),
+            policy.rank(10, &[c(0, 2), c(0, 1)], 0),
             (vec![1, 0], PickReason::Load)
         );
     }
@@ -245,14 +251,26 @@ mod tests {
         warm.load.pending_prefill_tokens = 500;
         let cold = c(0, 0);
         assert_eq!(
-            policy.rank(100, &[cold, warm]),
+            policy.rank(100, &[cold, warm], 0),
             (vec![1, 0], PickReason::Prefix)
         );
         // 100 blocks of 16 tokens cost 1,600 cold; behind 20,000 queued tokens warm costs more.
         warm.load.pending_prefill_tokens = 20_000;
         assert_eq!(
-            policy.rank(100, &[cold, warm]),
+            policy.rank(100, &[cold, warm], 0),
             (vec![0, 1], PickReason::Saturated)
         );
+    }
+
+    #[test]
+    fn requests_nothing_tells_apart_take_turns() {
+        let policy = PickPolicy::default();
+        let idle = [c(0, 0), c(0, 0), c(0, 0)];
+        let firsts: Vec<usize> = (0..6)
+            .map(|turn| policy.rank(10, &idle, turn).0[0])
+            .collect();
+        assert_eq!(firsts, [0, 1, 2, 0, 1, 2]);
+        // Anything that tells them apart still decides.
+        assert_eq!(policy.rank(10, &[c(0, 0), c(5, 0), c(0, 0)], 2).0[0], 1);
     }
 }

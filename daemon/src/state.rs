@@ -31,6 +31,8 @@ pub struct Daemon {
     pub metrics: Metrics,
     /// The process's ZMQ context.
     pub zmq: zmq::Context,
+    /// Lookups answered: which replica breaks a tie next.
+    pub lookups: std::sync::atomic::AtomicUsize,
 }
 
 /// One followed replica.
@@ -197,6 +199,7 @@ impl Daemon {
             endpoints: RwLock::new(Vec::new()),
             metrics: Metrics::default(),
             zmq: zmq::Context::new(),
+            lookups: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -306,7 +309,13 @@ impl Daemon {
                 });
             }
         }
-        let (order, reason) = self.settings.policy.rank(request.keys.len(), &candidates);
+        let turn = self
+            .lookups
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (order, reason) = self
+            .settings
+            .policy
+            .rank(request.keys.len(), &candidates, turn);
         let ranked: Vec<String> = order
             .iter()
             .filter_map(|&i| rankable.get(i))

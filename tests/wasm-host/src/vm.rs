@@ -519,6 +519,36 @@ fn header_map(state: &mut HostState, map: i32) -> Option<&mut Headers> {
     }
 }
 
+/// Any map the filter may read: the stream's, or the answer of the callout being
+/// delivered.
+fn readable_map(state: &mut HostState, map: i32) -> Option<Headers> {
+    if map == map::CALL_RESPONSE_HEADERS {
+        call_headers(state)
+    } else {
+        header_map(state, map).cloned()
+    }
+}
+
+/// `proxy_replace_header_map_value` (`replace`) and `proxy_add_header_map_value`.
+fn write_header(
+    c: &mut Ctx<'_>,
+    map: i32,
+    key: (i32, i32),
+    value: (i32, i32),
+    replace: bool,
+) -> wasmtime::Result<i32> {
+    let key = read_string(c, key.0, key.1)?.to_ascii_lowercase();
+    let value = read(c, value.0, value.1)?;
+    let Some(headers) = header_map(c.data_mut(), map) else {
+        return Ok(status::BAD_ARGUMENT);
+    };
+    if replace {
+        headers.retain(|(name, _)| *name != key);
+    }
+    headers.push((key, value));
+    Ok(status::OK)
+}
+
 fn call_headers(state: &HostState) -> Option<Headers> {
     match state.call_response.as_ref()? {
         CallOutcome::Response { headers, .. } => Some(headers.clone()),
@@ -698,12 +728,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
         ENV,
         "proxy_get_header_map_pairs",
         |mut c: Ctx<'_>, map: i32, ptr_out: i32, len_out: i32| -> wasmtime::Result<i32> {
-            let state = c.data_mut();
-            let pairs = if map == map::CALL_RESPONSE_HEADERS {
-                call_headers(state)
-            } else {
-                header_map(state, map).map(|h| h.clone())
-            };
+            let pairs = readable_map(c.data_mut(), map);
             // A map the stream does not have is empty (the SDK panics on NotFound here).
             give(
                 &mut c,
@@ -741,13 +766,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
          len_out: i32|
          -> wasmtime::Result<i32> {
             let key = read_string(&mut c, key_ptr, key_len)?.to_ascii_lowercase();
-            let state = c.data_mut();
-            let pairs = if map == map::CALL_RESPONSE_HEADERS {
-                call_headers(state)
-            } else {
-                header_map(state, map).map(|h| h.clone())
-            };
-            let value = pairs.and_then(|pairs| {
+            let value = readable_map(c.data_mut(), map).and_then(|pairs| {
                 pairs
                     .into_iter()
                     .find(|(name, _)| *name == key)
@@ -762,40 +781,27 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
     linker.func_wrap(
         ENV,
         "proxy_replace_header_map_value",
-        |mut c: Ctx<'_>,
-         map: i32,
-         key_ptr: i32,
-         key_len: i32,
-         value_ptr: i32,
-         value_len: i32|
-         -> wasmtime::Result<i32> {
-            let key = read_string(&mut c, key_ptr, key_len)?.to_ascii_lowercase();
-            let value = read(&mut c, value_ptr, value_len)?;
-            let Some(headers) = header_map(c.data_mut(), map) else {
-                return Ok(status::BAD_ARGUMENT);
-            };
-            headers.retain(|(name, _)| *name != key);
-            headers.push((key, value));
-            Ok(status::OK)
+        |mut c: Ctx<'_>, map: i32, key_ptr: i32, key_len: i32, value_ptr: i32, value_len: i32| {
+            write_header(
+                &mut c,
+                map,
+                (key_ptr, key_len),
+                (value_ptr, value_len),
+                true,
+            )
         },
     )?;
     linker.func_wrap(
         ENV,
         "proxy_add_header_map_value",
-        |mut c: Ctx<'_>,
-         map: i32,
-         key_ptr: i32,
-         key_len: i32,
-         value_ptr: i32,
-         value_len: i32|
-         -> wasmtime::Result<i32> {
-            let key = read_string(&mut c, key_ptr, key_len)?.to_ascii_lowercase();
-            let value = read(&mut c, value_ptr, value_len)?;
-            let Some(headers) = header_map(c.data_mut(), map) else {
-                return Ok(status::BAD_ARGUMENT);
-            };
-            headers.push((key, value));
-            Ok(status::OK)
+        |mut c: Ctx<'_>, map: i32, key_ptr: i32, key_len: i32, value_ptr: i32, value_len: i32| {
+            write_header(
+                &mut c,
+                map,
+                (key_ptr, key_len),
+                (value_ptr, value_len),
+                false,
+            )
         },
     )?;
     linker.func_wrap(

@@ -35,6 +35,23 @@ pub fn ms(d: Duration) -> f64 {
 /// The body of the `n`th request of a run.
 pub type Bodies = Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync>;
 
+/// The runtime every load generator here drives its requests on: two workers, as the
+/// machine has two cores.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}
+
+/// A client that keeps enough idle connections for the concurrencies measured here.
+pub fn client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(64)
+        .build()
+}
+
 /// The same body for every request.
 pub fn same(body: Vec<u8>) -> Bodies {
     Arc::new(move |_| body.clone())

@@ -345,11 +345,8 @@ pub fn overhead(bytes: usize, rounds: usize, per_round: usize) -> anyhow::Result
         .iter()
         .map(|arm| PeerProcess::start(arm.router, &stack.replicas, 16))
         .collect::<anyhow::Result<_>>()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let client = reqwest::Client::builder().no_proxy().build()?;
+    let runtime = crate::load::runtime()?;
+    let client = crate::load::client()?;
     let direct_url = format!("http://{}/v1/chat/completions", stack.replicas[0].http);
     let mut results: Vec<Overhead> = ARMS
         .iter()

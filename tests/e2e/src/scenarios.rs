@@ -315,16 +315,10 @@ pub fn run_through<T>(
     let ctx = Ctx {
         url,
         replicas: stack.replicas.iter().map(|r| r.http.clone()).collect(),
-        client: reqwest::Client::builder()
-            .no_proxy()
-            .pool_max_idle_per_host(64)
-            .build()?,
+        client: crate::load::client()?,
         salt_as_text,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let runtime = crate::load::runtime()?;
     let before = queried_tokens(&ctx.replicas);
     let start = Instant::now();
     let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack))?;

@@ -48,6 +48,20 @@ struct Route {
     fresh: bool,
 }
 
+/// Two instant replicas (time scale 0, room for every block) with 64-token blocks: only the
+/// routing path costs time.
+fn instant_stack(extra_replica_args: Vec<String>) -> anyhow::Result<Stack> {
+    let mut replica_args: Vec<String> = ["--time-scale", "0", "--num-gpu-blocks", "65536"]
+        .map(str::to_owned)
+        .to_vec();
+    replica_args.extend(extra_replica_args);
+    Stack::start(StackConfig {
+        block_size: 64,
+        replica_args,
+        ..StackConfig::default()
+    })
+}
+
 /// The replicas' tokenizer flags: `hash` (instant) or `qwen` (Qwen's BPE).
 fn tokenizer_args(tokenizer: &str) -> anyhow::Result<Vec<String>> {
     Ok(match tokenizer {
@@ -68,24 +82,10 @@ fn tokenizer_args(tokenizer: &str) -> anyhow::Result<Vec<String>> {
 }
 
 fn filter(tokenizer: &str) -> anyhow::Result<()> {
-    let mut replica_args: Vec<String> = ["--time-scale", "0", "--num-gpu-blocks", "65536"]
-        .map(str::to_owned)
-        .to_vec();
-    replica_args.extend(tokenizer_args(tokenizer)?);
-    let stack = Stack::start(StackConfig {
-        block_size: 64,
-        replica_args,
-        ..StackConfig::default()
-    })?;
+    let stack = instant_stack(tokenizer_args(tokenizer)?)?;
     let pid = stack.envoy_pid().context("no Envoy")?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .pool_max_idle_per_host(64)
-        .build()?;
+    let runtime = kvaffine_e2e::load::runtime()?;
+    let client = kvaffine_e2e::load::client()?;
     let at = |prefix: &str| format!("http://{}{prefix}v1/chat/completions", stack.gateway);
     let routes = [
         Route {
@@ -234,13 +234,8 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
 
 /// Tokens of a chat body, as the replicas' `/tokenize` counts them.
 fn prompt_tokens(stack: &Stack, body: &serde_json::Value) -> anyhow::Result<u64> {
-    let (_, answer) = vllm_emu::harness::http(
-        &stack.replicas[0].http,
-        "POST",
-        "/tokenize",
-        &body.to_string(),
-    );
-    serde_json::from_str::<serde_json::Value>(&answer)?["count"]
+    let (_, answer) = stack.replicas[0].post("/tokenize", body);
+    answer["count"]
         .as_u64()
         .context("no token count from /tokenize")
 }
@@ -327,24 +322,9 @@ fn seed(out: &str) -> anyhow::Result<()> {
 /// `bench load`: the whole stack at the highest rate a closed loop reaches, for 60 s, with
 /// ~8k-token chat requests, every one a prompt never seen before.
 fn load() -> anyhow::Result<()> {
-    let stack = Stack::start(StackConfig {
-        block_size: 64,
-        replica_args: vec![
-            "--time-scale".into(),
-            "0".into(),
-            "--num-gpu-blocks".into(),
-            "65536".into(),
-        ],
-        ..StackConfig::default()
-    })?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .pool_max_idle_per_host(64)
-        .build()?;
+    let stack = instant_stack(Vec::new())?;
+    let runtime = kvaffine_e2e::load::runtime()?;
+    let client = kvaffine_e2e::load::client()?;
     let url = format!("http://{}/v1/chat/completions", stack.gateway);
     let template = chat_body(36 * 1024, "SALTXXXXXXXX")
         .to_string()
@@ -501,7 +481,7 @@ fn ingest() -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let client = reqwest::Client::builder().no_proxy().build()?;
+    let client = kvaffine_e2e::load::client()?;
     let url = format!("http://{addr}/v1/lookup");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let lookup_thread = {

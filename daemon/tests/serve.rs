@@ -170,22 +170,30 @@ fn an_endpoint_publishing_foreign_hashes_is_rekeyed_from_tokens() {
     );
 }
 
-#[test]
-fn a_foreign_block_size_marks_the_endpoint_misconfigured() {
-    let ctx = zmq::Context::new();
-    let p = publisher(&ctx);
+/// One batch whose block says 32 tokens, against the daemons' 16.
+fn publish_block_size_32(p: &EventPublisher) {
     let mut event = stored(&prompt(50, 2), 0, own);
     if let kvaffine_core::events::KvEvent::BlockStored(s) = &mut event {
         s.block_size = 32;
     }
     p.publish(&batch(vec![event])).unwrap();
+}
+
+/// Whether the daemon reports `endpoint` misconfigured for the 32-token blocks.
+fn flagged_block_size_32(daemon: &DaemonProcess, endpoint: &str) -> bool {
+    daemon.endpoint_status(endpoint)["misconfigured"]
+        .as_str()
+        .is_some_and(|s| s.contains("block size 32"))
+}
+
+#[test]
+fn a_foreign_block_size_marks_the_endpoint_misconfigured() {
+    let ctx = zmq::Context::new();
+    let p = publisher(&ctx);
+    publish_block_size_32(&p);
     let daemon = DaemonProcess::start(&["--endpoint", &endpoint_flag(A, &p)]);
     daemon.wait_ready();
-    wait_for("misconfiguration", || {
-        daemon.endpoint_status(A)["misconfigured"]
-            .as_str()
-            .is_some_and(|s| s.contains("block size 32"))
-    });
+    wait_for("misconfiguration", || flagged_block_size_32(&daemon, A));
     assert_eq!(
         daemon.metric("kvaffined_endpoint_misconfigured{endpoint=\"127.0.0.1:1\"}"),
         1.0
@@ -198,11 +206,7 @@ fn a_block_size_only_the_events_show_stays_flagged_through_scrapes() {
     let replica = EmuProcess::start(&["--block-size", "16"]);
     let ctx = zmq::Context::new();
     let p = publisher(&ctx);
-    let mut event = stored(&prompt(50, 2), 0, own);
-    if let kvaffine_core::events::KvEvent::BlockStored(s) = &mut event {
-        s.block_size = 32;
-    }
-    p.publish(&batch(vec![event])).unwrap();
+    publish_block_size_32(&p);
     let daemon = DaemonProcess::start(&[
         "--endpoint",
         &endpoint_flag(&replica.http, &p),
@@ -211,18 +215,14 @@ fn a_block_size_only_the_events_show_stays_flagged_through_scrapes() {
     ]);
     daemon.wait_ready();
     wait_for("misconfiguration", || {
-        daemon.endpoint_status(&replica.http)["misconfigured"]
-            .as_str()
-            .is_some_and(|s| s.contains("block size 32"))
+        flagged_block_size_32(&daemon, &replica.http)
     });
     // Twenty-odd scrapes of an agreeing /metrics: the flag holds on every look (before the
     // fix, the first of them cleared it for good, no later batch setting it again).
     let window = std::time::Instant::now();
     while window.elapsed() < std::time::Duration::from_millis(500) {
         assert!(
-            daemon.endpoint_status(&replica.http)["misconfigured"]
-                .as_str()
-                .is_some_and(|s| s.contains("block size 32")),
+            flagged_block_size_32(&daemon, &replica.http),
             "cleared by a scrape"
         );
         std::thread::sleep(std::time::Duration::from_millis(10));

@@ -4,7 +4,7 @@
 use serde_json::{Value, json};
 
 use crate::rng::XorShift64;
-use crate::template::assistant_body;
+use crate::template::{THINK_CLOSE, THINK_OPEN, assistant_body};
 use crate::tokenizer;
 
 const WORDS: [&str; 48] = [
@@ -94,11 +94,11 @@ pub fn chat(
     };
     let text = format!("{}<|im_end|>", assistant_body(&message(&output), true));
     let reasoning_len = output.reasoning.as_ref().map_or(0, String::len);
-    // Byte ranges of the reasoning and content inside `text`:
-    // "<think>\n" reasoning "\n</think>\n\n" content ...
-    let reasoning_range = 8..8 + reasoning_len;
+    // Byte ranges of the reasoning and content inside `text`.
+    let reasoning_start = THINK_OPEN.len();
+    let reasoning_range = reasoning_start..reasoning_start + reasoning_len;
     let content_start = if output.reasoning.is_some() {
-        8 + reasoning_len + 11
+        reasoning_range.end + THINK_CLOSE.len()
     } else {
         0
     };

@@ -57,13 +57,20 @@ fn reasoning(message: &Value) -> Option<&str> {
         .filter(|r| !r.is_empty())
 }
 
+/// What opens a kept think block, before the reasoning.
+pub const THINK_OPEN: &str = "<think>\n";
+/// What closes it, before the content.
+pub const THINK_CLOSE: &str = "\n</think>\n\n";
+
 /// An assistant message's body, as rendered and as generated: the think block (when
 /// kept), the content, then each tool call.
 pub fn assistant_body(message: &Value, keep_reasoning: bool) -> String {
     let mut out = String::new();
     if keep_reasoning {
         if let Some(r) = reasoning(message) {
-            out.push_str(&format!("<think>\n{r}\n</think>\n\n"));
+            out.push_str(THINK_OPEN);
+            out.push_str(r);
+            out.push_str(THINK_CLOSE);
         }
     }
     out.push_str(&text(message.get("content")));

@@ -21,9 +21,8 @@ use unicode_normalization::{UnicodeNormalization, is_nfc};
 /// digits, punctuation runs, newlines, and whitespace not followed by non-space.
 const QWEN_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// Qwen's first special id: `<|endoftext|>`, then `<|im_start|>`, `<|im_end|>` and 205
-/// `<|extra_N|>`.
-const QWEN_FIRST_SPECIAL: u32 = 151_643;
+/// After Qwen's first special id (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`) come 205
+/// `<|extra_N|>`, some of which Qwen2.5/3 name (`<tool_call>`, `<think>`...).
 const QWEN_EXTRAS: u32 = 205;
 
 /// Why the BPE tokenizer could not be loaded.
@@ -74,25 +73,18 @@ pub fn choose(tokenizer: Tokenizer) -> Result<(), TokenizerError> {
         .map_err(|_| TokenizerError::AlreadyChosen)
 }
 
-/// Qwen's special tokens with the ids Qwen2.5/Qwen3 use.
+/// Qwen's special tokens with the ids Qwen2.5/Qwen3 use: the named ones both tokenizers
+/// share, and the remaining `<|extra_N|>`.
 fn qwen_specials() -> HashMap<String, u32> {
-    let mut specials: HashMap<String, u32> = HashMap::new();
-    for (n, name) in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        .into_iter()
-        .enumerate()
-    {
-        specials.insert(name.to_owned(), QWEN_FIRST_SPECIAL + n as u32);
-    }
+    let mut specials: HashMap<String, u32> = SPECIALS
+        .iter()
+        .map(|(name, id)| ((*name).to_owned(), *id))
+        .collect();
     for n in 0..QWEN_EXTRAS {
-        let id = QWEN_FIRST_SPECIAL + 3 + n;
-        let name = match id {
-            151_657 => "<tool_call>".to_owned(),
-            151_658 => "</tool_call>".to_owned(),
-            151_667 => "<think>".to_owned(),
-            151_668 => "</think>".to_owned(),
-            _ => format!("<|extra_{n}|>"),
-        };
-        specials.insert(name, id);
+        let id = FIRST_SPECIAL + 3 + n;
+        if !SPECIALS.iter().any(|(_, named)| *named == id) {
+            specials.insert(format!("<|extra_{n}|>"), id);
+        }
     }
     specials
 }
@@ -183,7 +175,8 @@ const SPECIALS: [(&str, u32); 7] = [
     ("</think>", 151_668),
 ];
 
-/// Ordinary pieces map into `0..FIRST_SPECIAL`.
+/// Qwen's first special id (`<|endoftext|>`); the hash tokenizer's ordinary pieces map
+/// into `0..FIRST_SPECIAL`.
 const FIRST_SPECIAL: u32 = 151_643;
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -7,7 +7,8 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::time::SystemTime;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use kvaffine_core::events::offset_endpoint_for_rank;
@@ -30,17 +31,17 @@ pub trait Discovery: Send + Sync {
 /// asked for their event sources.
 pub struct ConfigFileSource {
     path: PathBuf,
-    client: reqwest::Client,
+    sources: Arc<EventSourcesCache>,
     last: parking_lot::Mutex<Option<(Option<SystemTime>, ConfigFile)>>,
 }
 
 impl ConfigFileSource {
     /// Reads `path` now, failing if it is absent or invalid: a bad file at start-up is an
     /// error, a bad edit later keeps the previous endpoints.
-    pub fn new(path: PathBuf, client: reqwest::Client) -> anyhow::Result<Self> {
+    pub fn new(path: PathBuf, sources: Arc<EventSourcesCache>) -> anyhow::Result<Self> {
         let source = Self {
             path,
-            client,
+            sources,
             last: parking_lot::Mutex::new(None),
         };
         source.read()?;
@@ -80,7 +81,7 @@ impl Discovery for ConfigFileSource {
         Box::pin(async move {
             let (mut endpoints, replicas) = self.current()?;
             for replica in replicas {
-                endpoints.extend(event_sources(&self.client, &replica).await?);
+                endpoints.extend(self.sources.get(&replica).await?);
             }
             Ok(endpoints)
         })
@@ -90,13 +91,13 @@ impl Discovery for ConfigFileSource {
 /// Replicas named by `--discover`, asked for their `/kv_event_sources`.
 pub struct KvEventSources {
     replicas: Vec<String>,
-    client: reqwest::Client,
+    sources: Arc<EventSourcesCache>,
 }
 
 impl KvEventSources {
     /// Asks each of `replicas` (`HOST:PORT`).
-    pub fn new(replicas: Vec<String>, client: reqwest::Client) -> Self {
-        Self { replicas, client }
+    pub fn new(replicas: Vec<String>, sources: Arc<EventSourcesCache>) -> Self {
+        Self { replicas, sources }
     }
 }
 
@@ -109,7 +110,7 @@ impl Discovery for KvEventSources {
         Box::pin(async move {
             let mut endpoints = Vec::new();
             for replica in &self.replicas {
-                endpoints.extend(event_sources(&self.client, replica).await?);
+                endpoints.extend(self.sources.get(replica).await?);
             }
             Ok(endpoints)
         })
@@ -127,14 +128,14 @@ impl Discovery for KvEventSources {
 pub struct DnsReplicas {
     host: String,
     port: u16,
-    client: reqwest::Client,
+    sources: Arc<EventSourcesCache>,
     known: parking_lot::Mutex<BTreeMap<String, Vec<EndpointSpec>>>,
     warned: parking_lot::Mutex<BTreeSet<String>>,
 }
 
 impl DnsReplicas {
     /// Follows the addresses of `name` (`HOST:PORT`, the replicas' HTTP port).
-    pub fn new(name: &str, client: reqwest::Client) -> anyhow::Result<Self> {
+    pub fn new(name: &str, sources: Arc<EventSourcesCache>) -> anyhow::Result<Self> {
         let (host, port) = name
             .rsplit_once(':')
             .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
@@ -143,7 +144,7 @@ impl DnsReplicas {
         Ok(Self {
             host: host.to_owned(),
             port,
-            client,
+            sources,
             known: parking_lot::Mutex::new(BTreeMap::new()),
             warned: parking_lot::Mutex::new(BTreeSet::new()),
         })
@@ -181,9 +182,9 @@ impl Discovery for DnsReplicas {
             let (addresses, in_dns) = self.addresses().await;
             let mut probes = tokio::task::JoinSet::new();
             for address in addresses {
-                let client = self.client.clone();
+                let sources = self.sources.clone();
                 probes.spawn(async move {
-                    let answer = event_sources(&client, &address).await;
+                    let answer = sources.get(&address).await;
                     (address, answer)
                 });
             }
@@ -216,6 +217,48 @@ impl Discovery for DnsReplicas {
             *self.known.lock() = answers;
             Ok(specs)
         })
+    }
+}
+
+/// How long a replica's `/kv_event_sources` answer is reused. Event endpoints change only
+/// when vLLM restarts with other settings (the stream's restart detection sees that
+/// meanwhile), while asking on every one-second poll would cost the replicas one request
+/// per replica per daemon per second: with a daemon beside every gateway pod, thousands.
+const SOURCES_FRESH_FOR: Duration = Duration::from_secs(30);
+
+/// Replicas' `/kv_event_sources` answers, shared by every discovery source and asked
+/// again once older than [`SOURCES_FRESH_FOR`].
+pub struct EventSourcesCache {
+    client: reqwest::Client,
+    answers: parking_lot::Mutex<BTreeMap<String, (Instant, Vec<EndpointSpec>)>>,
+}
+
+impl EventSourcesCache {
+    /// An empty cache asking through `client`.
+    pub fn new(client: reqwest::Client) -> Self {
+        Self {
+            client,
+            answers: parking_lot::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// `replica`'s event endpoints, asked if not known or stale.
+    pub async fn get(&self, replica: &str) -> anyhow::Result<Vec<EndpointSpec>> {
+        let fresh = self
+            .answers
+            .lock()
+            .get(replica)
+            .filter(|(at, _)| at.elapsed() < SOURCES_FRESH_FOR)
+            .map(|(_, specs)| specs.clone());
+        if let Some(specs) = fresh {
+            return Ok(specs);
+        }
+        let specs = event_sources(&self.client, replica).await?;
+        let mut answers = self.answers.lock();
+        // Pods come and go under new addresses: forget answers long unused.
+        answers.retain(|_, (at, _)| at.elapsed() < SOURCES_FRESH_FOR * 4);
+        answers.insert(replica.to_owned(), (Instant::now(), specs.clone()));
+        Ok(specs)
     }
 }
 
@@ -356,10 +399,10 @@ mod tests {
 
     #[test]
     fn dns_names_need_a_port() {
-        let client = reqwest::Client::new();
-        assert!(DnsReplicas::new("vllm.ns.svc:8000", client.clone()).is_ok());
+        let sources = Arc::new(EventSourcesCache::new(reqwest::Client::new()));
+        assert!(DnsReplicas::new("vllm.ns.svc:8000", sources.clone()).is_ok());
         for bad in ["vllm.ns.svc", ":8000", "vllm:http"] {
-            assert!(DnsReplicas::new(bad, client.clone()).is_err(), "{bad}");
+            assert!(DnsReplicas::new(bad, sources.clone()).is_err(), "{bad}");
         }
     }
 

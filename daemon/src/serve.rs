@@ -11,7 +11,9 @@ use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use crate::config::{EndpointSpec, ServeArgs};
-use crate::discovery::{ConfigFileSource, Discovery, DnsReplicas, KvEventSources};
+use crate::discovery::{
+    ConfigFileSource, Discovery, DnsReplicas, EventSourcesCache, KvEventSources,
+};
 use crate::metrics::EndpointLabel;
 use crate::state::{Daemon, Endpoint, EndpointStatus};
 
@@ -26,20 +28,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("cannot build the HTTP client")?;
     let mut sources: Vec<Box<dyn Discovery>> = Vec::new();
+    let event_sources = Arc::new(EventSourcesCache::new(client.clone()));
     if let Some(path) = &args.config {
         sources.push(Box::new(ConfigFileSource::new(
             path.clone(),
-            client.clone(),
+            event_sources.clone(),
         )?));
     }
     if !args.discover.is_empty() {
         sources.push(Box::new(KvEventSources::new(
             args.discover.clone(),
-            client.clone(),
+            event_sources.clone(),
         )));
     }
     for name in &args.discover_dns {
-        sources.push(Box::new(DnsReplicas::new(name, client.clone())?));
+        sources.push(Box::new(DnsReplicas::new(name, event_sources.clone())?));
     }
     let daemon = Arc::new(Daemon::new(settings));
     let fleet = Fleet {

@@ -443,9 +443,9 @@ impl HttpContext for Request {
         let api = request_header(":path").and_then(|p| self.router.api(&p));
         // Kong never says end of stream here, and may not call the body callback for an
         // empty body: a declared empty body has no prompt, whatever the host says.
-        let empty = request_header("content-length").is_some_and(|l| l == b"0");
+        let empty = || request_header("content-length").is_some_and(|l| l == b"0");
         match (is_post, api) {
-            (true, Some(api)) if !end_of_stream && !empty => {
+            (true, Some(api)) if !end_of_stream && !empty() => {
                 self.started = Some(now());
                 self.phase = Phase::Buffering(api);
                 Action::Pause

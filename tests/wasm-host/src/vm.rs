@@ -474,6 +474,19 @@ fn give(
     Ok(status::OK)
 }
 
+/// A value the guest asked for: given if there is one, else `NotFound`.
+fn give_found(
+    caller: &mut Caller<'_, HostState>,
+    value: Option<Vec<u8>>,
+    ptr_out: i32,
+    len_out: i32,
+) -> wasmtime::Result<i32> {
+    match value {
+        Some(value) => give(caller, &value, ptr_out, len_out),
+        None => Ok(status::NOT_FOUND),
+    }
+}
+
 fn serialize_map(headers: &Headers) -> Vec<u8> {
     let mut bytes = (headers.len() as u32).to_le_bytes().to_vec();
     for (name, value) in headers {
@@ -772,10 +785,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
                     .find(|(name, _)| *name == key)
                     .map(|(_, v)| v)
             });
-            match value {
-                Some(value) => give(&mut c, &value, ptr_out, len_out),
-                None => Ok(status::NOT_FOUND),
-            }
+            give_found(&mut c, value, ptr_out, len_out)
         },
     )?;
     linker.func_wrap(
@@ -833,10 +843,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
                     .stream()
                     .and_then(|s| s.properties.get(&path).cloned()),
             };
-            match value {
-                Some(value) => give(&mut c, &value, ptr_out, len_out),
-                None => Ok(status::NOT_FOUND),
-            }
+            give_found(&mut c, value, ptr_out, len_out)
         },
     )?;
     linker.func_wrap(

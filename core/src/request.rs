@@ -116,58 +116,142 @@ fn string_field(item: &Value, key: &str) -> Value {
     item.get(key).cloned().unwrap_or(Value::Null)
 }
 
-/// One Responses input item as chat messages.
-fn item_message(item: &Value) -> Result<Value, RequestError> {
-    let kind = item.get("type").and_then(Value::as_str);
-    if let Some(role) = item.get("role") {
-        if kind.is_none() || kind == Some("message") {
-            let content = item
-                .get("content")
-                .and_then(content_text)
-                .unwrap_or_default();
-            return Ok(json!({"role": role, "content": content}));
-        }
+/// The last message, if it is an assistant turn a following item may merge into.
+fn open_assistant(messages: &mut [Value]) -> Option<&mut Map<String, Value>> {
+    messages
+        .last_mut()
+        .and_then(Value::as_object_mut)
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+}
+
+/// Whether `key` of a message is absent or null (vLLM's `message.get(key) is None`).
+fn unset(message: &Map<String, Value>, key: &str) -> bool {
+    message.get(key).is_none_or(Value::is_null)
+}
+
+/// Responses content in the chat form: `input_text` and `output_text` parts become the
+/// `text` parts vLLM's parser turns them into (the chat form of `/tokenize` accepts only
+/// those); anything else passes unchanged.
+fn chat_parts(content: Value) -> Value {
+    match content {
+        Value::Array(parts) => Value::Array(
+            parts
+                .into_iter()
+                .map(|part| match part.get("type").and_then(Value::as_str) {
+                    Some("input_text" | "output_text") => {
+                        json!({"type": "text", "text": string_field(&part, "text")})
+                    }
+                    _ => part,
+                })
+                .collect(),
+        ),
+        other => other,
     }
-    // A call as one assistant turn; custom tools carry their input where functions carry
-    // arguments.
-    let call = |arguments: &str| {
-        json!({
-            "role": "assistant",
-            "content": null,
-            "tool_calls": [{
+}
+
+/// Responses input items as chat messages, as vLLM's
+/// `construct_chat_messages_with_tool_call` builds them: a tool call, reasoning or an
+/// assistant text following an assistant turn merges into it (a call appends to its
+/// `tool_calls`; reasoning and text fill the field only while it is unset); other messages
+/// pass with their content untouched, so text parts are joined by the chat template as
+/// vLLM's own rendering joins them.
+fn input_messages(items: &[Value]) -> Result<Vec<Value>, RequestError> {
+    let mut messages: Vec<Value> = Vec::with_capacity(items.len());
+    for item in items {
+        let kind = item.get("type").and_then(Value::as_str);
+        let call = |arguments: &str| {
+            json!({
                 "id": string_field(item, "call_id"),
                 "type": "function",
                 "function": {
                     "name": string_field(item, "name"),
                     "arguments": string_field(item, arguments),
                 },
-            }],
-        })
-    };
-    match kind {
-        Some("function_call") => Ok(call("arguments")),
-        Some("custom_tool_call") => Ok(call("input")),
-        Some("function_call_output") | Some("custom_tool_call_output") => Ok(json!({
-            "role": "tool",
-            "tool_call_id": string_field(item, "call_id"),
-            "content": item.get("output").and_then(content_text).unwrap_or_default(),
-        })),
-        Some("reasoning") => {
-            if item.get("encrypted_content").is_some_and(|e| !e.is_null()) {
-                return Err(RequestError::EncryptedReasoning);
+            })
+        };
+        match kind {
+            // Custom tools carry their input where functions carry arguments.
+            Some("function_call") | Some("custom_tool_call") => {
+                let call = call(if kind == Some("function_call") {
+                    "arguments"
+                } else {
+                    "input"
+                });
+                match open_assistant(&mut messages) {
+                    Some(open) => match open.get_mut("tool_calls") {
+                        Some(Value::Array(calls)) => calls.push(call),
+                        _ => {
+                            open.insert("tool_calls".into(), json!([call]));
+                        }
+                    },
+                    None => messages.push(json!({"role": "assistant", "tool_calls": [call]})),
+                }
             }
-            let parts = item
-                .get("content")
-                .and_then(Value::as_array)
-                .filter(|c| !c.is_empty())
-                .or_else(|| item.get("summary").and_then(Value::as_array));
-            let text = parts.map(|p| text_of_parts(p)).unwrap_or_default();
-            Ok(json!({"role": "assistant", "content": null, "reasoning": text}))
+            Some("function_call_output") | Some("custom_tool_call_output") => {
+                messages.push(json!({
+                    "role": "tool",
+                    "content": string_field(item, "output"),
+                    "tool_call_id": string_field(item, "call_id"),
+                }));
+            }
+            Some("reasoning") => {
+                if item.get("encrypted_content").is_some_and(|e| !e.is_null()) {
+                    return Err(RequestError::EncryptedReasoning);
+                }
+                // vLLM reads the first content part, else the first summary part.
+                let first_text = |key: &str| {
+                    item.get(key)
+                        .and_then(Value::as_array)
+                        .and_then(|parts| parts.first())
+                        .and_then(|part| part.get("text"))
+                        .cloned()
+                };
+                let text = first_text("content")
+                    .or_else(|| first_text("summary"))
+                    .unwrap_or_else(|| json!(""));
+                match open_assistant(&mut messages) {
+                    Some(open) if unset(open, "reasoning") => {
+                        open.insert("reasoning".into(), text);
+                    }
+                    _ => messages.push(json!({"role": "assistant", "reasoning": text})),
+                }
+            }
+            _ => {
+                let Some(role) = item
+                    .get("role")
+                    .filter(|_| kind.is_none() || kind == Some("message"))
+                else {
+                    return Err(RequestError::UnsupportedItem(
+                        kind.unwrap_or("(no type)").to_owned(),
+                    ));
+                };
+                let content = item.get("content").cloned().unwrap_or(Value::Null);
+                // An assistant message's text is its string, or its first part's text.
+                let assistant_text = match &content {
+                    Value::String(_) => Some(content.clone()),
+                    Value::Array(parts) => parts.first().and_then(|p| p.get("text")).cloned(),
+                    _ => None,
+                };
+                match (role.as_str(), assistant_text) {
+                    (Some("assistant"), Some(text)) => match open_assistant(&mut messages) {
+                        Some(open) if unset(open, "content") => {
+                            open.insert("content".into(), text);
+                        }
+                        _ => messages.push(json!({"role": "assistant", "content": text})),
+                    },
+                    _ => messages.push(json!({"role": role, "content": chat_parts(content)})),
+                }
+            }
         }
-        other => Err(RequestError::UnsupportedItem(
-            other.unwrap_or("(no type)").to_owned(),
-        )),
     }
+    Ok(messages)
+}
+
+/// One earlier response's output item as a chat message, for `previous_response_id`.
+fn output_message(item: &Value) -> Option<Value> {
+    let parts = item.get("content")?.as_array()?;
+    let text = parts.first()?.get("text")?;
+    Some(json!({"role": "assistant", "content": text}))
 }
 
 /// A Responses request as vLLM's `construct_input_messages` builds it: `instructions` as a
@@ -194,11 +278,7 @@ pub fn responses_chat_input(body: &Value, previous: &[Value]) -> Result<ChatInpu
     );
     match body.get("input") {
         Some(Value::String(text)) => messages.push(json!({"role": "user", "content": text})),
-        Some(Value::Array(items)) => {
-            for item in items {
-                messages.push(item_message(item)?);
-            }
-        }
+        Some(Value::Array(items)) => messages.extend(input_messages(items)?),
         _ => {
             return Err(RequestError::WrongType {
                 field: "input",
@@ -218,8 +298,8 @@ pub fn responses_chat_input(body: &Value, previous: &[Value]) -> Result<ChatInpu
 pub fn responses_output_messages(output: &[Value]) -> Vec<Value> {
     output
         .iter()
-        .filter(|item| item.get("type").and_then(Value::as_str) != Some("reasoning"))
-        .filter_map(|item| item_message(item).ok())
+        .filter(|item| item.get("type").and_then(Value::as_str) == Some("message"))
+        .filter_map(output_message)
         .collect()
 }
 
@@ -251,28 +331,51 @@ mod tests {
             .iter()
             .map(|m| m["role"].as_str().unwrap())
             .collect();
+        // Reasoning and the call merge into one assistant turn, as vLLM merges them.
         assert_eq!(
             roles,
-            [
-                "system",
-                "user",
-                "user",
-                "assistant",
-                "assistant",
-                "tool",
-                "assistant"
-            ]
+            ["system", "user", "user", "assistant", "tool", "assistant"]
         );
-        assert_eq!(input.messages[2]["content"], "a\nb");
+        // Text parts stay parts: the template joins them as vLLM's rendering does.
+        assert_eq!(
+            input.messages[2]["content"],
+            json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
+        );
         assert_eq!(input.messages[3]["reasoning"], "think");
-        assert_eq!(input.messages[4]["tool_calls"][0]["function"]["name"], "f");
-        assert_eq!(input.messages[5]["content"], "42");
+        assert_eq!(input.messages[3]["tool_calls"][0]["function"]["name"], "f");
+        assert_eq!(input.messages[4]["content"], "42");
+        assert_eq!(input.messages[5]["content"], "done");
         assert_eq!(
             input.tools.unwrap(),
             vec![json!({"type": "function", "function": {"name": "f", "parameters": {}}})]
         );
         assert_eq!(input.chat_template_kwargs["reasoning_effort"], "low");
         assert_eq!(input.chat_template_kwargs["enable_thinking"], true);
+    }
+
+    #[test]
+    fn items_merge_into_an_open_assistant_turn_as_vllm_merges_them() {
+        let body = json!({"input": [
+            {"role": "assistant", "content": "let me look"},
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "b", "name": "g", "arguments": "{}"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "first"}]},
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "second"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}, {"type": "output_text", "text": "y"}]},
+        ]});
+        let messages = responses_chat_input(&body, &[]).unwrap().messages;
+        assert_eq!(
+            messages,
+            vec![
+                json!({"role": "assistant", "content": "let me look", "reasoning": "first",
+                       "tool_calls": [
+                           {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                           {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}),
+                // Reasoning already set: a new turn, whose unset content takes the text
+                // (its first part only).
+                json!({"role": "assistant", "reasoning": "second", "content": "x"}),
+            ]
+        );
     }
 
     #[test]

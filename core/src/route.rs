@@ -283,7 +283,7 @@ pub enum Action {
         body: Vec<u8>,
     },
     /// Keys are known already (token-id prompts).
-    Lookup(Vec<u64>),
+    Lookup(PromptKeys),
     /// Approximate keys from the text.
     Approximate(Vec<u64>),
     /// No keys: rank by load.
@@ -355,6 +355,36 @@ fn tokenize_chat_body(model: Option<&str>, input: &ChatInput, body: &Value) -> V
     Value::Object(call).to_string().into_bytes()
 }
 
+/// The messages with each assistant turn's `reasoning_content` also given as
+/// `reasoning`, or `None` when none needs it. vLLM's chat completions read the deprecated
+/// `reasoning_content` as `reasoning` (and render it), but its `/tokenize` passes only
+/// `reasoning` to the template (0.32), so without this the tokens kvaffine keys would
+/// lack the reasoning the replica renders. Both keys stay, for versions that read either.
+fn reasoning_renamed(messages: &[Value]) -> Option<Vec<Value>> {
+    let needs = |m: &Value| {
+        m.get("reasoning_content").is_some_and(|r| !r.is_null())
+            && m.get("reasoning").is_none_or(Value::is_null)
+    };
+    if !messages.iter().any(needs) {
+        return None;
+    }
+    Some(
+        messages
+            .iter()
+            .map(
+                |m| match (needs(m), m.get("reasoning_content"), m.as_object()) {
+                    (true, Some(reasoning), Some(object)) => {
+                        let mut renamed = object.clone();
+                        renamed.insert("reasoning".into(), reasoning.clone());
+                        Value::Object(renamed)
+                    }
+                    _ => m.clone(),
+                },
+            )
+            .collect(),
+    )
+}
+
 /// Reads a buffered request body and decides the next step in `mode` (the configured one,
 /// or a route's override).
 pub fn plan(router: &Router, api: Api, mode: Mode, body: &[u8]) -> Plan {
@@ -417,18 +447,31 @@ fn plan_api(
                 .and_then(Value::as_array)
                 .ok_or(Skip::NoPrompt)?;
             let kwargs = request::template_kwargs(value).map_err(unrenderable)?;
+            let renamed = reasoning_renamed(messages);
+            let no_effort = value.get("reasoning_effort").is_none_or(Value::is_null);
             match mode {
                 Mode::Approximate => approximate(&chat_text(messages)),
                 // `/tokenize` accepts and ignores the chat-completions fields it does not
                 // know, so the body goes as it came, unless `reasoning_effort` must be
-                // folded into the template arguments (`/tokenize` cannot take it).
-                _ if value.get("reasoning_effort").is_none_or(Value::is_null) => Action::Tokenize {
+                // folded into the template arguments (`/tokenize` cannot take it) or
+                // reasoning must be renamed.
+                _ if no_effort && renamed.is_none() => Action::Tokenize {
                     path: "/tokenize",
                     body: body.to_vec(),
                 },
+                _ if no_effort => {
+                    let mut patched = value.clone();
+                    if let (Some(object), Some(messages)) = (patched.as_object_mut(), renamed) {
+                        object.insert("messages".into(), Value::Array(messages));
+                    }
+                    Action::Tokenize {
+                        path: "/tokenize",
+                        body: patched.to_string().into_bytes(),
+                    }
+                }
                 _ => {
                     let input = ChatInput {
-                        messages: messages.clone(),
+                        messages: renamed.unwrap_or_else(|| messages.clone()),
                         tools: value.get("tools").and_then(Value::as_array).cloned(),
                         chat_template_kwargs: kwargs,
                     };
@@ -454,7 +497,7 @@ fn plan_api(
                     .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
                     .collect::<Option<_>>()
                     .ok_or(Skip::NoPrompt)?;
-                Action::Lookup(block_keys(router, extras, &tokens, None))
+                Action::Lookup(PromptKeys::of(router, extras, &tokens, None))
             }
             _ => return Err(Skip::NoPrompt),
         },
@@ -651,15 +694,47 @@ fn scan_int_array(bytes: &[u8]) -> Option<Vec<u32>> {
     }
 }
 
+/// A prompt's block keys, and how many of its blocks vLLM can serve from its cache: it
+/// always computes the last prompt token, so a prompt of exactly k full blocks, all
+/// cached, is served k - 1 of them. The prediction a response reports is capped by it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromptKeys {
+    /// One key per full block, in order.
+    pub keys: Vec<u64>,
+    /// The most blocks a cache hit can cover.
+    pub servable_blocks: u64,
+}
+
+impl PromptKeys {
+    /// The keys of `tokens`, reusing digests from `cache` if given.
+    pub fn of(
+        router: &Router,
+        extras: &KeyExtras,
+        tokens: &[u32],
+        cache: Option<&mut DigestCache>,
+    ) -> Self {
+        let block_size = router.keys.block_size().max(1);
+        Self {
+            keys: block_keys(router, extras, tokens, cache),
+            servable_blocks: (tokens.len().saturating_sub(1) / block_size) as u64,
+        }
+    }
+
+    /// The blocks vLLM will serve from cache on a replica that holds `matched_blocks`.
+    pub fn servable(&self, matched_blocks: u64) -> u64 {
+        matched_blocks.min(self.servable_blocks)
+    }
+}
+
 /// Keys of a `/tokenize` (or render) answer.
 pub fn keys_from_tokenize(
     router: &Router,
     extras: &KeyExtras,
     answer: &[u8],
     cache: Option<&mut DigestCache>,
-) -> Result<Vec<u64>, TokenizeError> {
+) -> Result<PromptKeys, TokenizeError> {
     let tokens = token_list(answer).ok_or(TokenizeError::NoTokens)?;
-    Ok(block_keys(router, extras, &tokens, cache))
+    Ok(PromptKeys::of(router, extras, &tokens, cache))
 }
 
 /// The daemon lookup for `keys`.
@@ -904,8 +979,8 @@ mod tests {
         let (Action::Lookup(a), Action::Lookup(b)) = (plain.action, salted.action) else {
             panic!()
         };
-        assert_eq!(a.len(), 2);
-        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        assert_eq!(a.keys.len(), 2);
+        assert!(a.keys.iter().zip(&b.keys).all(|(x, y)| x != y));
     }
 
     #[test]
@@ -1000,6 +1075,29 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_content_reaches_tokenize_as_reasoning() {
+        let r = router("");
+        let body = br#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"","reasoning_content":"think"}],"max_tokens":3}"#;
+        let Action::Tokenize { body: call, .. } =
+            plan(&r, Api::ChatCompletions, Mode::Precise, body).action
+        else {
+            panic!()
+        };
+        let call: Value = serde_json::from_slice(&call).unwrap();
+        assert_eq!(call["messages"][1]["reasoning"], "think");
+        assert_eq!(call["messages"][1]["reasoning_content"], "think");
+        assert_eq!(call["max_tokens"], 3);
+        // Without reasoning_content the body goes as it came.
+        let plain = br#"{"messages":[{"role":"user","content":"q"}]}"#;
+        let Action::Tokenize { body: call, .. } =
+            plan(&r, Api::ChatCompletions, Mode::Precise, plain).action
+        else {
+            panic!()
+        };
+        assert_eq!(call, plain.to_vec());
+    }
+
+    #[test]
     fn tokenize_answers_become_keys() {
         let r = router("");
         let keys = keys_from_tokenize(
@@ -1009,7 +1107,7 @@ mod tests {
             None,
         )
         .unwrap();
-        assert_eq!(keys.len(), 2);
+        assert_eq!((keys.keys.len(), keys.servable_blocks), (2, 2));
         let render = keys_from_tokenize(
             &r,
             &KeyExtras::default(),
@@ -1017,7 +1115,10 @@ mod tests {
             None,
         )
         .unwrap();
-        assert_eq!(render, keys[..1]);
+        assert_eq!(render.keys, keys.keys[..1]);
+        // Exactly one full block: vLLM computes its last token, so nothing is servable.
+        assert_eq!((render.servable_blocks, render.servable(1)), (0, 0));
+        assert_eq!(keys.servable(5), 2);
         assert!(
             keys_from_tokenize(&r, &KeyExtras::default(), br#"{"tokens":[-1]}"#, None).is_err()
         );

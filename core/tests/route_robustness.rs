@@ -151,6 +151,6 @@ fn hostile_bodies_are_planned_or_passed_through() {
     let ids: Vec<u32> = (0..1_000_000).collect();
     let body = json!({"prompt": ids}).to_string();
     assert!(
-        matches!(route::plan(&router, Api::Completions, Mode::Precise, body.as_bytes()).action, Action::Lookup(ref k) if k.len() == 250_000)
+        matches!(route::plan(&router, Api::Completions, Mode::Precise, body.as_bytes()).action, Action::Lookup(ref k) if k.keys.len() == 250_000)
     );
 }

@@ -99,6 +99,7 @@ impl RootContext for Root {
             started: None,
             mode: Mode::Precise,
             model: None,
+            servable_blocks: None,
             outcome: None,
         }))
     }
@@ -141,6 +142,8 @@ struct Request {
     started: Option<SystemTime>,
     mode: Mode,
     model: Option<String>,
+    /// The most blocks vLLM can serve this prompt from cache, once its tokens are known.
+    servable_blocks: Option<u64>,
     outcome: Option<Decision>,
 }
 
@@ -275,7 +278,10 @@ impl Request {
                 false
             }
             Step::LoadOnly => self.lookup(&[], false),
-            Step::Lookup(keys) => self.lookup(&keys, false),
+            Step::Lookup(prompt) => {
+                self.servable_blocks = Some(prompt.servable_blocks);
+                self.lookup(&prompt.keys, false)
+            }
             Step::Approximate(keys) => self.lookup(&keys, true),
             Step::Tokenize { path, body: call } => {
                 let config = self.config();
@@ -335,14 +341,17 @@ impl Request {
     fn on_tokenized(&mut self, api: Api, plan: Plan, body: Vec<u8>, since: SystemTime) -> bool {
         self.stats.tokenize_latency(elapsed_us(since));
         let ok = call_status() == Some(200);
-        let keys = call_body().filter(|_| ok).and_then(|answer| {
+        let prompt = call_body().filter(|_| ok).and_then(|answer| {
             // The VM is single-threaded; a busy cache (never expected) just means no reuse.
             let mut cache = self.digests.try_borrow_mut().ok();
             route::keys_from_tokenize(&self.router, &plan.extras, &answer, cache.as_deref_mut())
                 .ok()
         });
-        match keys {
-            Some(keys) => self.lookup(&keys, false),
+        match prompt {
+            Some(prompt) => {
+                self.servable_blocks = Some(prompt.servable_blocks);
+                self.lookup(&prompt.keys, false)
+            }
             None => self.approximate_fallback(api, &plan, &body),
         }
     }
@@ -363,7 +372,10 @@ impl Request {
                     .count(Outcome::Routed(stats::routed_reason(&pick.reason)));
                 self.outcome = Some(Decision {
                     endpoint: pick.endpoints.first().cloned(),
-                    matched_blocks: pick.matched_blocks,
+                    // What vLLM will serve: the cache never covers the last prompt token.
+                    matched_blocks: self
+                        .servable_blocks
+                        .map_or(pick.matched_blocks, |most| pick.matched_blocks.min(most)),
                     reason: stats::routed_reason(&pick.reason),
                     mode,
                 });

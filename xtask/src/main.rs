@@ -5,15 +5,20 @@ mod bench;
 mod demo;
 mod docs;
 mod sh;
+mod vllm;
 
 use anyhow::bail;
 
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
-  demo          two replicas, kvaffined and Envoy: a two-turn conversation, where each turn went
-  up [--replicas N] [--gateway-port P]
+  demo [--engine emu|vllm]
+                two replicas, kvaffined and Envoy: a two-turn conversation, where each turn went
+                (emu: vllm-emu, the default; vllm: real vLLM, installed on first use)
+  up [--replicas N] [--gateway-port P] [--engine emu|vllm]
                 the same stack in the foreground (gateway on 127.0.0.1:P, default 8080)
+  up --upstream HOST:PORT [--upstream HOST:PORT ...] [--block-size N] [--gateway-port P]
+                kvaffined and Envoy in front of vLLM replicas you already run
   test          every check CI runs: fmt, clippy (native and wasm32), all tests, deploy/
                 validation, the docs site
   docs          regenerate the reference pages, build the book into target/book
@@ -33,7 +38,7 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
-        ["demo"] => demo::run(),
+        ["demo", rest @ ..] => demo::run(rest),
         ["up", rest @ ..] => demo::up(rest),
         ["test"] => test(),
         ["docs"] => docs::build(),
@@ -81,51 +86,77 @@ fn fuzz(target: &str, seconds: &str) -> anyhow::Result<()> {
     )
 }
 
+/// Runs one phase of `test`, printing how long it took.
+fn phase(name: &str, work: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let result = work();
+    eprintln!(
+        "xtask test: {name}: {:.1} s{}",
+        started.elapsed().as_secs_f64(),
+        if result.is_ok() { "" } else { " (failed)" }
+    );
+    result
+}
+
 /// Everything CI checks, in the order that fails fastest.
 fn test() -> anyhow::Result<()> {
-    sh::ensure_lint_components()?;
-    sh::cargo(&["fmt", "--all", "--", "--check"])?;
-    sh::ensure_wasm_target()?;
-    sh::ensure_python_tools()?;
-    sh::cargo(&[
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ])?;
-    // The core must build unchanged for the filter's target.
-    sh::cargo(&[
-        "clippy",
-        "-p",
-        "kvaffine-core",
-        "-p",
-        "kvaffine-wasm-kernel",
-        "-p",
-        "kvaffine-filter",
-        "--target",
-        sh::WASM_TARGET,
-        "--",
-        "-D",
-        "warnings",
-    ])?;
+    phase("toolchain, fmt", || {
+        sh::ensure_lint_components()?;
+        sh::cargo(&["fmt", "--all", "--", "--check"])?;
+        sh::ensure_wasm_target()?;
+        sh::ensure_python_tools()
+    })?;
+    phase("clippy (native and wasm32)", || {
+        sh::cargo(&[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ])?;
+        // The core must build unchanged for the filter's target.
+        sh::cargo(&[
+            "clippy",
+            "-p",
+            "kvaffine-core",
+            "-p",
+            "kvaffine-wasm-kernel",
+            "-p",
+            "kvaffine-filter",
+            "--target",
+            sh::WASM_TARGET,
+            "--",
+            "-D",
+            "warnings",
+        ])
+    })?;
     // End-to-end suites start the workspace's binaries, Envoy and the filter for real.
-    sh::build_filter()?;
-    sh::cargo(&["build", "--workspace", "--bins"])?;
+    phase("build the filter and binaries", || {
+        sh::build_filter()?;
+        sh::cargo(&["build", "--workspace", "--bins"])
+    })?;
     // Every manifest rendered and schema-checked, every Envoy config through Envoy's own
     // validation, with the filter just built.
-    sh::run(
-        std::process::Command::new("bash")
-            .arg(sh::root().join("deploy/validate.sh"))
-            .env(
-                "KVAFFINE_WASM",
-                sh::root().join("target/wasm32-wasip1/wasm/kvaffine_filter.wasm"),
-            ),
-    )?;
-    docs::check()?;
-    let (passed, failed) = sh::cargo_test(&["test", "--workspace"])?;
+    phase("deploy/ validation, docs", || {
+        sh::run(
+            std::process::Command::new("bash")
+                .arg(sh::root().join("deploy/validate.sh"))
+                .env(
+                    "KVAFFINE_WASM",
+                    sh::root().join("target/wasm32-wasip1/wasm/kvaffine_filter.wasm"),
+                ),
+        )?;
+        docs::check()
+    })?;
+    // The real-vLLM suite needs its venv and model; installed once, then cached.
+    phase("real vLLM install", vllm::ensure_newest)?;
+    let mut counts = (0, 0);
+    phase("cargo test --workspace", || {
+        counts = sh::cargo_test(&["test", "--workspace"])?;
+        Ok(())
+    })?;
     // The plain closing line CI reads, summed over every test binary above.
-    println!("xtask test: {passed} passed, {failed} failed");
+    println!("xtask test: {} passed, {} failed", counts.0, counts.1);
     Ok(())
 }

@@ -300,10 +300,10 @@ impl Follower<'_> {
                 .confirm(self.endpoint.slot, &report.stored_keys);
         }
         self.record(&batch, &report, before);
-        report.needs_resync.then(|| {
-            self.daemon.bookings.lock().forget_slot(self.endpoint.slot);
-            self.sequencer.resync()
-        })
+        // Bookings stay: they hold kvaffine's own keys of what the filter sent, true in
+        // whatever key space the replica publishes. Forgetting them here left a
+        // continuation sent while a re-keyed replica replays routed by load alone.
+        report.needs_resync.then(|| self.sequencer.resync())
     }
 
     fn record(&mut self, batch: &EventBatch, report: &ApplyReport, before: Alignment) {

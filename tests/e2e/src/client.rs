@@ -119,3 +119,79 @@ fn parse(raw: &[u8]) -> Reply {
         body,
     }
 }
+
+/// One kept-alive HTTP/1.1 connection: requests sent on it reach one Envoy worker, whose
+/// round robin then alternates strictly between replicas (a deterministic control).
+pub struct Connection {
+    reader: std::io::BufReader<TcpStream>,
+}
+
+impl Connection {
+    /// Connects to `addr`.
+    pub fn open(addr: &str) -> std::io::Result<Self> {
+        let stream = TcpStream::connect(addr)?;
+        stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+        Ok(Self {
+            reader: std::io::BufReader::new(stream),
+        })
+    }
+
+    /// POSTs JSON to `path` and reads the whole response, keeping the connection.
+    pub fn post_json(&mut self, path: &str, body: &Value) -> Reply {
+        use std::io::BufRead;
+        let body = body.to_string();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: gateway\r\ncontent-type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if self.reader.get_mut().write_all(request.as_bytes()).is_err() {
+            return failed();
+        }
+        let mut head = Vec::new();
+        loop {
+            let mut line = String::new();
+            match self.reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return failed(),
+                Ok(_) if line == "\r\n" => break,
+                Ok(_) => head.push(line.trim_end().to_owned()),
+            }
+        }
+        let mut raw = head.join("\r\n").into_bytes();
+        raw.extend_from_slice(b"\r\n\r\n");
+        let field = |name: &str| {
+            head.iter().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.trim()
+                    .eq_ignore_ascii_case(name)
+                    .then(|| v.trim().to_owned())
+            })
+        };
+        if let Some(length) = field("content-length").and_then(|v| v.parse::<usize>().ok()) {
+            let mut body = vec![0; length];
+            if self.reader.read_exact(&mut body).is_err() {
+                return failed();
+            }
+            raw.extend_from_slice(&body);
+        } else if field("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+            loop {
+                let mut size = String::new();
+                if self.reader.read_line(&mut size).is_err() {
+                    return failed();
+                }
+                raw.extend_from_slice(size.as_bytes());
+                let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+                    return failed();
+                };
+                let mut chunk = vec![0; n + 2];
+                if self.reader.read_exact(&mut chunk).is_err() {
+                    return failed();
+                }
+                raw.extend_from_slice(&chunk);
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        parse(&raw)
+    }
+}

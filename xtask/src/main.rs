@@ -18,6 +18,7 @@ commands:
   up [--replicas N] [--gateway-port P] [--engine emu|vllm]
                 the same stack in the foreground (gateway on 127.0.0.1:P, default 8080)
   up --upstream HOST:PORT [--upstream HOST:PORT ...] [--block-size N] [--gateway-port P]
+     [--prefill-tokens-per-second N]
                 kvaffined and Envoy in front of vLLM replicas you already run
   test          every check CI runs: fmt, clippy (native and wasm32), all tests, deploy/
                 validation, the docs site

@@ -233,10 +233,13 @@ pub fn poll(
     Ok(())
 }
 
+/// Starts kvaffined for `upstreams`; for emulated replicas (`emulated`), with the
+/// prefill rate their time scale gives.
 fn spawn_daemon(
     config: &StackConfig,
     upstreams: &[Upstream],
     listen: &str,
+    emulated: bool,
 ) -> anyhow::Result<(Child, String)> {
     let block = config.block_size.to_string();
     let mut args: Vec<String> = ["serve", "--listen", listen, "--block-size", &block]
@@ -255,10 +258,11 @@ fn spawn_daemon(
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(1.0);
     let rate = if scale > 0.0 { 5000.0 / scale } else { 1e12 };
-    if !config
-        .daemon_args
-        .iter()
-        .any(|a| a == "--prefill-tokens-per-second")
+    if emulated
+        && !config
+            .daemon_args
+            .iter()
+            .any(|a| a == "--prefill-tokens-per-second")
     {
         args.extend(["--prefill-tokens-per-second".to_owned(), rate.to_string()]);
     }
@@ -320,9 +324,10 @@ impl Stack {
         dir: PathBuf,
         wasm: &Path,
     ) -> anyhow::Result<Self> {
-        let (daemon, daemon_addr) = spawn_daemon(&config, &upstreams, "127.0.0.1:0")?;
+        let emulated = !replicas.is_empty();
+        let (daemon, daemon_addr) = spawn_daemon(&config, &upstreams, "127.0.0.1:0", emulated)?;
         let spare_daemons = (1..config.daemons.max(1))
-            .map(|_| spawn_daemon(&config, &upstreams, "127.0.0.1:0"))
+            .map(|_| spawn_daemon(&config, &upstreams, "127.0.0.1:0", emulated))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut stack = Self {
             replicas,
@@ -511,7 +516,12 @@ impl Stack {
     /// Starts the daemon again on its old address (it rebuilds its index by replay).
     pub fn restart_daemon(&mut self) -> anyhow::Result<()> {
         self.kill_daemon();
-        let (daemon, addr) = spawn_daemon(&self.config, &self.upstreams, &self.daemon_addr)?;
+        let (daemon, addr) = spawn_daemon(
+            &self.config,
+            &self.upstreams,
+            &self.daemon_addr,
+            !self.replicas.is_empty(),
+        )?;
         self.daemon = Some(daemon);
         self.daemon_addr = addr;
         Ok(())
@@ -580,5 +590,92 @@ impl Drop for Stack {
             let _ = child.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `stack up ...` (what `cargo xtask up` runs) as a process, with the lines it printed
+/// up to `Ctrl-C stops everything.`; stopped (SIGTERM) on drop.
+pub struct UpProcess {
+    child: Child,
+    /// What it printed before it was ready.
+    pub lines: Vec<String>,
+}
+
+impl UpProcess {
+    /// Starts `stack up` with `args`; fails with its stderr when it exits instead.
+    pub fn start(args: &[&str]) -> anyhow::Result<Self> {
+        use std::io::BufRead;
+        let mut child = Command::new(binary("stack"))
+            .arg("up")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("cannot start stack")?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut reader = std::io::BufReader::new(stdout);
+        let mut lines = Vec::new();
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line)? == 0 {
+                let mut err = String::new();
+                if let Some(mut stderr) = child.stderr.take() {
+                    std::io::Read::read_to_string(&mut stderr, &mut err)?;
+                }
+                let status = child.wait()?;
+                bail!("stack up exited ({status}): {}", err.trim());
+            }
+            let done = line.starts_with("Ctrl-C");
+            lines.push(line.trim_end().to_owned());
+            if done {
+                break;
+            }
+        }
+        // Keep draining its output so it never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            while std::io::BufRead::read_line(&mut reader, &mut sink).is_ok_and(|n| n > 0) {
+                sink.clear();
+            }
+        });
+        Ok(Self { child, lines })
+    }
+
+    /// The value after `label` on the line that starts with it (`replicas:`...).
+    pub fn field(&self, label: &str) -> Option<String> {
+        self.lines.iter().find_map(|l| {
+            let rest = l.trim_start().strip_prefix(label)?;
+            Some(rest.split_whitespace().collect::<Vec<_>>().join(" "))
+        })
+    }
+
+    /// `HOST:PORT` of the gateway it announced.
+    pub fn gateway(&self) -> Option<String> {
+        self.lines.iter().find_map(|l| {
+            l.strip_prefix("kvaffine gateway ready on http://")
+                .map(str::to_owned)
+        })
+    }
+
+    /// Sends SIGTERM and waits for it to stop everything it started.
+    pub fn stop(mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM failed");
+        }
+        Ok(self.child.wait()?)
+    }
+}
+
+impl Drop for UpProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
+            let _ = self.child.wait();
+        }
     }
 }

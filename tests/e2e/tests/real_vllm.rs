@@ -14,7 +14,7 @@ use kvaffine_core::events::{KvEvent, decode_batch, parse_live};
 use kvaffine_core::route::{self, Action, Api, Mode, Router};
 use kvaffine_e2e::client::{Connection, Reply, post_json};
 use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
-use kvaffine_e2e::{Stack, StackConfig, Upstream, poll};
+use kvaffine_e2e::{Stack, StackConfig, UpProcess, Upstream, poll};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
 
@@ -78,7 +78,7 @@ fn with_pair(pair: Pair, check: Check) -> Result<(), Failed> {
 fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
-    let checks: [(&str, Pair, Check); 12] = [
+    let checks: [(&str, Pair, Check); 13] = [
         (
             "chat_continuations_return_to_the_warm_replica",
             Pair::Cbor,
@@ -115,6 +115,11 @@ fn main() -> std::process::ExitCode {
             "a_restarted_replica_is_purged_and_followed",
             Pair::Cbor,
             replica_restart,
+        ),
+        (
+            "up_fronts_real_replicas_it_did_not_start",
+            Pair::Cbor,
+            up_with_upstreams,
         ),
         (
             "pickle_hashing_replicas_are_rekeyed_and_routed",
@@ -1072,4 +1077,65 @@ fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         "vLLM evicted nothing: the pressure is not real".to_owned()
     })?;
     ensure(checked >= 10, || format!("only {checked} continuations"))
+}
+
+/// `cargo xtask up --upstream ...` (the `stack` binary it runs) in front of real replicas:
+/// the block size read from their `vllm:cache_config_info`, events found through their
+/// `/kv_event_sources`, continuations pinned warm.
+fn up_with_upstreams(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port()
+        .to_string();
+    let up = UpProcess::start(&[
+        "--upstream",
+        &replicas[0].http,
+        "--upstream",
+        &replicas[1].http,
+        "--gateway-port",
+        &port,
+        "--prefill-tokens-per-second",
+        "100000",
+    ])?;
+    let listed = format!("{}, {}", replicas[0].http, replicas[1].http);
+    ensure(up.field("replicas:") == Some(listed), || {
+        format!("{:?}", up.lines)
+    })?;
+    ensure(
+        up.field("kvaffined:")
+            .is_some_and(|k| k.starts_with("http://")),
+        || format!("{:?}", up.lines),
+    )?;
+    let gateway = up
+        .gateway()
+        .ok_or_else(|| anyhow::anyhow!("no gateway in {:?}", up.lines))?;
+    for i in 0..3 {
+        let salt = salt("up", i);
+        let first = ok(
+            post_json(
+                &gateway,
+                "/v1/chat/completions",
+                &chat_first(1500 + i, &salt),
+            ),
+            "turn 1",
+        )?;
+        let second = ok(
+            post_json(
+                &gateway,
+                "/v1/chat/completions",
+                &chat_pair(1500 + i, &salt, &first),
+            ),
+            "turn 2",
+        )?;
+        check_warm(
+            &format!("up pair {i}"),
+            &served_by(&first),
+            chat_prompt(&first),
+            &second,
+            chat_cached(&second),
+        )?;
+    }
+    ensure(up.stop()?.success(), || {
+        "stack up did not stop cleanly".to_owned()
+    })
 }

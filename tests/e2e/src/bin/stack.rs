@@ -12,7 +12,8 @@ use vllm_emu::harness::http;
 
 const USAGE: &str = "usage: stack demo [--engine emu|vllm]
        stack up [--replicas N] [--gateway-port P] [--engine emu|vllm]
-       stack up --upstream HOST:PORT [--upstream HOST:PORT ...] [--block-size N] [--gateway-port P]";
+       stack up --upstream HOST:PORT [--upstream HOST:PORT ...] [--block-size N] [--gateway-port P]
+                [--prefill-tokens-per-second N]";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -211,6 +212,7 @@ struct UpArgs {
     upstreams: Vec<String>,
     block_size: Option<usize>,
     gateway_port: u16,
+    prefill_rate: Option<String>,
 }
 
 fn up_args(args: &[String]) -> anyhow::Result<UpArgs> {
@@ -220,6 +222,7 @@ fn up_args(args: &[String]) -> anyhow::Result<UpArgs> {
         upstreams: Vec::new(),
         block_size: None,
         gateway_port: 8080,
+        prefill_rate: None,
     };
     let mut rest = args.iter();
     while let Some(flag) = rest.next() {
@@ -232,12 +235,20 @@ fn up_args(args: &[String]) -> anyhow::Result<UpArgs> {
             "--engine" => parsed.engine = Some(engine(value)?),
             "--upstream" => parsed.upstreams.push(value.clone()),
             "--block-size" => parsed.block_size = Some(value.parse().context("--block-size")?),
+            "--prefill-tokens-per-second" => {
+                value
+                    .parse::<f64>()
+                    .context("--prefill-tokens-per-second")?;
+                parsed.prefill_rate = Some(value.clone());
+            }
             _ => bail!("unknown flag {flag}\n{USAGE}"),
         }
     }
     if parsed.upstreams.is_empty() {
-        if parsed.block_size.is_some() {
-            bail!("--block-size goes with --upstream (started replicas use 64)");
+        if parsed.block_size.is_some() || parsed.prefill_rate.is_some() {
+            bail!(
+                "--block-size and --prefill-tokens-per-second go with --upstream (started replicas are known)"
+            );
         }
     } else if parsed.engine.is_some() || parsed.replicas.is_some() {
         bail!("--upstream fronts replicas you run: it takes neither --engine nor --replicas");
@@ -314,10 +325,18 @@ fn up(args: &[String]) -> anyhow::Result<()> {
             .iter()
             .map(|u| Upstream::discovered(u))
             .collect();
+        // kvaffined's default prefill rate is a GPU's; replicas much faster or slower need
+        // theirs until kvaffined measures it.
+        let daemon_args = args
+            .prefill_rate
+            .iter()
+            .flat_map(|rate| ["--prefill-tokens-per-second".to_owned(), rate.clone()])
+            .collect();
         Running {
             stack: Stack::front(
                 StackConfig {
                     block_size,
+                    daemon_args,
                     ..config
                 },
                 upstreams,

@@ -147,9 +147,18 @@ pub fn daemon() -> anyhow::Result<()> {
 }
 
 /// The reference two-replica measurement -> `docs/benchmarks/seed/`.
-pub fn seed() -> anyhow::Result<()> {
-    let out = sh::root().join("docs/benchmarks/seed");
-    let summary = stack_bench(&["seed", &out.display().to_string()])?;
+pub fn seed(args: &[&str]) -> anyhow::Result<()> {
+    let (out, engine) = match args {
+        [] | ["--engine", "emu"] => ("docs/benchmarks/seed", "emu"),
+        ["--engine", "vllm"] => {
+            let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
+            crate::vllm::ensure_model(&venv, &crate::vllm::BENCH)?;
+            ("docs/benchmarks/seed-vllm", "vllm")
+        }
+        _ => anyhow::bail!("usage: cargo xtask bench seed [--engine emu|vllm]"),
+    };
+    let out = sh::root().join(out);
+    let summary = stack_bench(&["seed", &out.display().to_string(), engine])?;
     println!("{summary}");
     println!("wrote {}", out.display());
     Ok(())

@@ -26,7 +26,9 @@ commands:
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
   bench filter  latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
-  bench seed    the published two-replica measurement, reproduced -> docs/benchmarks/seed/
+  bench seed [--engine emu|vllm]
+                the published two-replica measurement, reproduced -> docs/benchmarks/seed/
+                (real vLLM: docs/benchmarks/seed-vllm/)
   bench scenarios
                 eight production scenarios x routing profiles -> docs/benchmarks/README.md
   bench peers   vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
@@ -46,7 +48,7 @@ fn main() -> anyhow::Result<()> {
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "filter"] => bench::filter(),
-        ["bench", "seed"] => bench::seed(),
+        ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
         ["bench", "peers"] => bench::peers(),
         ["bench", "scenarios"] => bench::scenarios(),

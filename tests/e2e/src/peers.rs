@@ -266,7 +266,7 @@ pub fn seed(pairs: usize) -> anyhow::Result<Vec<SeedPair>> {
                 "{:032x}",
                 nonce ^ ((index * ARMS.len() + arm_index) as u128) << 64
             );
-            let mut first = crate::seed::first_turn(words, &salt);
+            let mut first = crate::seed::first_turn("emu-model", words, &salt);
             salt_as_text(&mut first);
             let before = queried_tokens(&replicas);
             let reply = crate::client::post_json(&addr, &path, &first);
@@ -279,7 +279,8 @@ pub fn seed(pairs: usize) -> anyhow::Result<Vec<SeedPair>> {
                 );
             }
             let first_replica = served_since(&replicas, &before);
-            let mut body = crate::seed::continuation(words, pad, &salt, &reply.json()["output"]);
+            let mut body =
+                crate::seed::continuation("emu-model", words, pad, &salt, &reply.json()["output"]);
             salt_as_text(&mut body);
             let before = queried_tokens(&replicas);
             let start = Instant::now();

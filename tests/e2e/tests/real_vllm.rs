@@ -285,37 +285,46 @@ fn check_warm(
     })
 }
 
-// ---- the checks ----
-
-fn chat_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
-    let stack = stack(replicas)?;
-    let pairs = 6;
-    for i in 0..pairs {
-        let salt = salt("chat", i);
+/// `count` two-turn chat conversations through `gateway` (seeds from `first_seed`, new
+/// salts tagged `tag`), each continuation checked by [`check_warm`].
+fn warm_conversations(
+    gateway: &str,
+    tag: &str,
+    first_seed: usize,
+    count: usize,
+    what: &str,
+) -> anyhow::Result<()> {
+    for i in 0..count {
+        let (seed, salt) = (first_seed + i, salt(tag, i));
         let first = ok(
-            post_json(
-                &stack.gateway,
-                "/v1/chat/completions",
-                &chat_first(i, &salt),
-            ),
+            post_json(gateway, "/v1/chat/completions", &chat_first(seed, &salt)),
             "turn 1",
         )?;
         let second = ok(
             post_json(
-                &stack.gateway,
+                gateway,
                 "/v1/chat/completions",
-                &chat_pair(i, &salt, &first),
+                &chat_pair(seed, &salt, &first),
             ),
             "turn 2",
         )?;
         check_warm(
-            &format!("pair {i}"),
+            &format!("{what} {i}"),
             &served_by(&first),
             chat_prompt(&first),
             &second,
             chat_cached(&second),
         )?;
     }
+    Ok(())
+}
+
+// ---- the checks ----
+
+fn chat_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let pairs = 6;
+    warm_conversations(&stack.gateway, "chat", 0, pairs, "pair")?;
     // The control: the same traffic through plain round robin on one connection (one
     // Envoy worker), which alternates replicas, so every continuation lands cold.
     let mut connection = Connection::open(&stack.gateway)?;
@@ -969,64 +978,18 @@ fn replica_restart(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         },
     )?;
     // And it is followed again: a new conversation on it returns to it.
-    for i in 0..4 {
-        let salt = salt("after-restart", i);
-        let first = ok(
-            post_json(
-                &stack.gateway,
-                "/v1/chat/completions",
-                &chat_first(1200 + i, &salt),
-            ),
-            "new turn 1",
-        )?;
-        let second = ok(
-            post_json(
-                &stack.gateway,
-                "/v1/chat/completions",
-                &chat_pair(1200 + i, &salt, &first),
-            ),
-            "new turn 2",
-        )?;
-        check_warm(
-            &format!("after replica restart, pair {i}"),
-            &served_by(&first),
-            chat_prompt(&first),
-            &second,
-            chat_cached(&second),
-        )?;
-    }
-    Ok(())
+    warm_conversations(
+        &stack.gateway,
+        "after-restart",
+        1200,
+        4,
+        "after replica restart, pair",
+    )
 }
 
 fn rekeyed_routing(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let stack = stack(replicas)?;
-    for i in 0..4 {
-        let salt = salt("pickle", i);
-        let first = ok(
-            post_json(
-                &stack.gateway,
-                "/v1/chat/completions",
-                &chat_first(1300 + i, &salt),
-            ),
-            "turn 1",
-        )?;
-        let second = ok(
-            post_json(
-                &stack.gateway,
-                "/v1/chat/completions",
-                &chat_pair(1300 + i, &salt, &first),
-            ),
-            "turn 2",
-        )?;
-        check_warm(
-            &format!("pickle pair {i}"),
-            &served_by(&first),
-            chat_prompt(&first),
-            &second,
-            chat_cached(&second),
-        )?;
-    }
-    Ok(())
+    warm_conversations(&stack.gateway, "pickle", 1300, 4, "pickle pair")
 }
 
 fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
@@ -1109,32 +1072,7 @@ fn up_with_upstreams(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let gateway = up
         .gateway()
         .ok_or_else(|| anyhow::anyhow!("no gateway in {:?}", up.lines))?;
-    for i in 0..3 {
-        let salt = salt("up", i);
-        let first = ok(
-            post_json(
-                &gateway,
-                "/v1/chat/completions",
-                &chat_first(1500 + i, &salt),
-            ),
-            "turn 1",
-        )?;
-        let second = ok(
-            post_json(
-                &gateway,
-                "/v1/chat/completions",
-                &chat_pair(1500 + i, &salt, &first),
-            ),
-            "turn 2",
-        )?;
-        check_warm(
-            &format!("up pair {i}"),
-            &served_by(&first),
-            chat_prompt(&first),
-            &second,
-            chat_cached(&second),
-        )?;
-    }
+    warm_conversations(&gateway, "up", 1500, 3, "up pair")?;
     ensure(up.stop()?.success(), || {
         "stack up did not stop cleanly".to_owned()
     })

@@ -15,7 +15,11 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
-        Some("seed") => seed(args.get(1).context("usage: bench seed OUT_DIR")?),
+        Some("seed") => seed(
+            args.get(1)
+                .context("usage: bench seed OUT_DIR [emu|vllm]")?,
+            args.get(2).map_or("emu", String::as_str),
+        ),
         Some("load") => load(),
         Some("scenarios") => scenarios(
             args.get(1).context("usage: bench scenarios OUT_DIR")?,
@@ -27,7 +31,7 @@ fn main() -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen] | load | ingest | seed OUT_DIR | scenarios OUT_DIR [NAME] | peers OUT_DIR [PAIRS]"
+            "usage: bench filter [hash|qwen] | load | ingest | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME] | peers OUT_DIR [PAIRS]"
         ),
     }
 }
@@ -299,15 +303,25 @@ fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn seed(out: &str) -> anyhow::Result<()> {
-    let (pairs, tokens) = kvaffine_e2e::seed::run()?;
+fn seed(out: &str, engine: &str) -> anyhow::Result<()> {
+    use kvaffine_e2e::seed::Engine;
+    let (engine, command) = match engine {
+        "emu" => (Engine::Emu, "cargo xtask bench seed"),
+        "vllm" => (Engine::Vllm, "cargo xtask bench seed --engine vllm"),
+        other => bail!("unknown engine {other:?}"),
+    };
+    let (pairs, tokens) = match engine {
+        Engine::Emu => kvaffine_e2e::seed::run()?,
+        Engine::Vllm => kvaffine_e2e::seed::run_vllm()?,
+    };
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
     kvaffine_e2e::seed::write(
         std::path::Path::new(out),
         &pairs,
         tokens,
-        "cargo xtask bench seed",
+        command,
         &machine,
+        engine,
     )?;
     for profile in &kvaffine_e2e::seed::PROFILES {
         let s = kvaffine_e2e::seed::summarize(&pairs, profile.name);

@@ -51,8 +51,13 @@ impl Pair {
     }
 }
 
-/// The running pair, replaced when a check needs another.
-static RUNNING: Mutex<Option<(Pair, Vec<VllmProcess>)>> = Mutex::new(None);
+/// The running pair, replaced when a check needs another; a pair that failed to start is
+/// remembered, so its other checks fail at once with the same reason instead of waiting
+/// out another start-up deadline each.
+static RUNNING: Mutex<Option<(Pair, Started)>> = Mutex::new(None);
+
+/// A pair's replicas, or why they did not start.
+type Started = Result<Vec<VllmProcess>, String>;
 
 type Check = fn(&mut [VllmProcess]) -> anyhow::Result<()>;
 
@@ -62,17 +67,20 @@ fn with_pair(pair: Pair, check: Check) -> Result<(), Failed> {
         // One pair at a time: ~4 GB each.
         *running = None;
         let started = Instant::now();
-        let replicas = VllmProcess::start_all(&pair.specs()).map_err(|e| format!("{e:#}"))?;
-        eprintln!(
-            "real vLLM: {pair:?} pair up in {:.1} s",
-            started.elapsed().as_secs_f64()
-        );
+        let replicas = VllmProcess::start_all(&pair.specs()).map_err(|e| format!("{e:#}"));
+        if replicas.is_ok() {
+            eprintln!(
+                "real vLLM: {pair:?} pair up in {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
         *running = Some((pair, replicas));
     }
-    let Some((_, replicas)) = running.as_mut() else {
-        return Err("no replicas".into());
-    };
-    check(replicas).map_err(|e| format!("{e:#}").into())
+    match running.as_mut() {
+        Some((_, Ok(replicas))) => check(replicas).map_err(|e| format!("{e:#}").into()),
+        Some((_, Err(why))) => Err(format!("the {pair:?} pair did not start: {why}").into()),
+        None => Err("no replicas".into()),
+    }
 }
 
 fn main() -> std::process::ExitCode {

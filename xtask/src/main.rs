@@ -37,8 +37,19 @@ commands:
   fuzz TARGET SECONDS
                 libFuzzer on a core/fuzz target (decode_batch, frames, plan)";
 
-fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+fn main() -> std::process::ExitCode {
+    match run(std::env::args().skip(1).collect()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        // What failed and why, on one line: a failed step is not a crash, so no
+        // backtrace even where RUST_BACKTRACE is set.
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Vec<String>) -> anyhow::Result<()> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
         ["demo", rest @ ..] => demo::run(rest),

@@ -11,8 +11,18 @@ use kvaffine_e2e::load::{
 use kvaffine_e2e::{Stack, StackConfig};
 use serde_json::json;
 
-fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+fn main() -> std::process::ExitCode {
+    match run(std::env::args().skip(1).collect()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        // One line (or a replica's log tail), no backtrace.
+        Err(e) => {
+            eprintln!("bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Vec<String>) -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
         Some("seed") => seed(

@@ -355,34 +355,28 @@ fn tokenize_chat_body(model: Option<&str>, input: &ChatInput, body: &Value) -> V
     Value::Object(call).to_string().into_bytes()
 }
 
-/// The messages with each assistant turn's `reasoning_content` also given as
-/// `reasoning`, or `None` when none needs it. vLLM's chat completions read the deprecated
-/// `reasoning_content` as `reasoning` (and render it), but its `/tokenize` passes only
-/// `reasoning` to the template (0.32), so without this the tokens kvaffine keys would
-/// lack the reasoning the replica renders. Both keys stay, for versions that read either.
-fn reasoning_renamed(messages: &[Value]) -> Option<Vec<Value>> {
-    let needs = |m: &Value| {
-        m.get("reasoning_content").is_some_and(|r| !r.is_null())
-            && m.get("reasoning").is_none_or(Value::is_null)
-    };
-    if !messages.iter().any(needs) {
-        return None;
+/// Whether a message carries `reasoning_content` without `reasoning`. vLLM's chat
+/// completions read the deprecated `reasoning_content` as `reasoning` (and render it), but
+/// its `/tokenize` passes only `reasoning` to the template (seen on real vLLM 0.32.0), so
+/// such a turn must reach `/tokenize` with `reasoning` set too.
+fn reasoning_unnamed(message: &Value) -> bool {
+    message
+        .get("reasoning_content")
+        .is_some_and(|r| !r.is_null())
+        && message.get("reasoning").is_none_or(Value::is_null)
+}
+
+/// Gives every such message's `reasoning_content` as `reasoning` too (both keys stay, for
+/// versions that read either).
+fn name_reasoning(messages: &mut [Value]) {
+    for message in messages {
+        if reasoning_unnamed(message) {
+            if let Some(object) = message.as_object_mut() {
+                let reasoning = object.get("reasoning_content").cloned().unwrap_or_default();
+                object.insert("reasoning".into(), reasoning);
+            }
+        }
     }
-    Some(
-        messages
-            .iter()
-            .map(
-                |m| match (needs(m), m.get("reasoning_content"), m.as_object()) {
-                    (true, Some(reasoning), Some(object)) => {
-                        let mut renamed = object.clone();
-                        renamed.insert("reasoning".into(), reasoning.clone());
-                        Value::Object(renamed)
-                    }
-                    _ => m.clone(),
-                },
-            )
-            .collect(),
-    )
 }
 
 /// Reads a buffered request body and decides the next step in `mode` (the configured one,
@@ -447,22 +441,24 @@ fn plan_api(
                 .and_then(Value::as_array)
                 .ok_or(Skip::NoPrompt)?;
             let kwargs = request::template_kwargs(value).map_err(unrenderable)?;
-            let renamed = reasoning_renamed(messages);
             let no_effort = value.get("reasoning_effort").is_none_or(Value::is_null);
+            let unnamed = messages.iter().any(reasoning_unnamed);
             match mode {
                 Mode::Approximate => approximate(&chat_text(messages)),
                 // `/tokenize` accepts and ignores the chat-completions fields it does not
-                // know, so the body goes as it came, unless `reasoning_effort` must be
-                // folded into the template arguments (`/tokenize` cannot take it) or
-                // reasoning must be renamed.
-                _ if no_effort && renamed.is_none() => Action::Tokenize {
+                // know, so the body goes as it came, unless reasoning must be named or
+                // `reasoning_effort` folded into the template arguments (`/tokenize`
+                // cannot take it).
+                _ if no_effort && !unnamed => Action::Tokenize {
                     path: "/tokenize",
                     body: body.to_vec(),
                 },
                 _ if no_effort => {
                     let mut patched = value.clone();
-                    if let (Some(object), Some(messages)) = (patched.as_object_mut(), renamed) {
-                        object.insert("messages".into(), Value::Array(messages));
+                    if let Some(messages) =
+                        patched.get_mut("messages").and_then(Value::as_array_mut)
+                    {
+                        name_reasoning(messages);
                     }
                     Action::Tokenize {
                         path: "/tokenize",
@@ -470,8 +466,10 @@ fn plan_api(
                     }
                 }
                 _ => {
+                    let mut messages = messages.clone();
+                    name_reasoning(&mut messages);
                     let input = ChatInput {
-                        messages: renamed.unwrap_or_else(|| messages.clone()),
+                        messages,
                         tools: value.get("tools").and_then(Value::as_array).cloned(),
                         chat_template_kwargs: kwargs,
                     };
@@ -718,11 +716,6 @@ impl PromptKeys {
             keys: block_keys(router, extras, tokens, cache),
             servable_blocks: (tokens.len().saturating_sub(1) / block_size) as u64,
         }
-    }
-
-    /// The blocks vLLM will serve from cache on a replica that holds `matched_blocks`.
-    pub fn servable(&self, matched_blocks: u64) -> u64 {
-        matched_blocks.min(self.servable_blocks)
     }
 }
 
@@ -1117,8 +1110,7 @@ mod tests {
         .unwrap();
         assert_eq!(render.keys, keys.keys[..1]);
         // Exactly one full block: vLLM computes its last token, so nothing is servable.
-        assert_eq!((render.servable_blocks, render.servable(1)), (0, 0));
-        assert_eq!(keys.servable(5), 2);
+        assert_eq!(render.servable_blocks, 0);
         assert!(
             keys_from_tokenize(&r, &KeyExtras::default(), br#"{"tokens":[-1]}"#, None).is_err()
         );

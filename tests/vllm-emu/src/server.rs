@@ -229,6 +229,22 @@ fn render_chat(
     .map_err(|e| ApiError::bad(e.to_string()))
 }
 
+/// The messages as vLLM's `/tokenize` hands them to the template: its chat completions
+/// rename an assistant turn's deprecated `reasoning_content` to `reasoning`, its
+/// `/tokenize` does not, and the template reads only `reasoning` (real vLLM 0.32.0).
+fn without_reasoning_content(messages: &[Value]) -> Vec<Value> {
+    messages
+        .iter()
+        .map(|message| {
+            let mut message = message.clone();
+            if let Some(object) = message.as_object_mut() {
+                object.remove("reasoning_content");
+            }
+            message
+        })
+        .collect()
+}
+
 fn check_length(app: &App, tokens: &[u32]) -> Result<(), ApiError> {
     app.engine
         .check_fits(tokens)
@@ -265,7 +281,7 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, 
         };
         let tools = tools_of(&body)?;
         let text = render_chat(
-            messages_of(&body)?,
+            &without_reasoning_content(messages_of(&body)?),
             tools.as_deref(),
             flag(&body, "add_generation_prompt", true)?,
             flag(&body, "continue_final_message", false)?,

@@ -144,6 +144,31 @@ fn reasoning_effort_and_tools_change_the_prompt_and_tokenize_only_sees_kwargs() 
 }
 
 #[test]
+fn tokenize_reads_reasoning_but_not_reasoning_content_as_vllm_does() {
+    let emu = EmuProcess::start(&[]);
+    // A tool-call loop after the last user turn: its reasoning is rendered.
+    let turn = |key: &str| {
+        json!([user("weather?"),
+               {"role": "assistant", "content": "", key: "call the tool"},
+               {"role": "tool", "content": "sunny"}])
+    };
+    let count = |messages: Value| {
+        emu.post("/tokenize", &json!({"messages": messages}))
+            .1["count"]
+            .as_u64()
+    };
+    let prompt = |messages: Value| {
+        chat(&emu, json!({"messages": messages, "max_tokens": 1}))["usage"]["prompt_tokens"]
+            .as_u64()
+    };
+    // Chat completions render the deprecated name; /tokenize (vLLM 0.32) does not...
+    assert!(count(turn("reasoning_content")) < prompt(turn("reasoning_content")));
+    // ...and both render `reasoning`.
+    assert_eq!(count(turn("reasoning")), prompt(turn("reasoning_content")));
+    assert_eq!(count(turn("reasoning")), prompt(turn("reasoning")));
+}
+
+#[test]
 fn a_continuation_is_served_from_the_cache_and_salts_isolate() {
     let emu = EmuProcess::start(&["--block-size", "16"]);
     let first = json!([user(&long_text(400, 2))]);

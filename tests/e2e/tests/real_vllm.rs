@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use kvaffine_core::events::{KvEvent, decode_batch, parse_live};
 use kvaffine_core::route::{self, Action, Api, Mode, Router};
 use kvaffine_e2e::client::{Connection, Reply, post_json};
-use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+use kvaffine_e2e::vllm::{
+    SERVED_MODEL, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec, tiny_daemon_args,
+};
 use kvaffine_e2e::{Stack, StackConfig, UpProcess, Upstream, poll};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
@@ -169,10 +171,7 @@ fn stack(replicas: &[VllmProcess]) -> anyhow::Result<Stack> {
 fn stack_config() -> StackConfig {
     StackConfig {
         block_size: BLOCK,
-        // The tiny model prefills far faster than the 5,000 tokens/s default: at that rate
-        // booked prefill piles up past --max-pending-prefill-tokens and sequential
-        // continuations get moved off an idle warm replica as `saturated`.
-        daemon_args: vec!["--prefill-tokens-per-second".into(), "100000".into()],
+        daemon_args: tiny_daemon_args(),
         ..StackConfig::default()
     }
 }
@@ -215,11 +214,13 @@ fn chat_prompt(reply: &Reply) -> u64 {
         .unwrap_or(0)
 }
 
-fn matched(reply: &Reply) -> u64 {
+/// `x-kvaffine-matched-blocks`; an error when the filter did not set it, so that no
+/// comparison with it passes on a missing header.
+fn matched(reply: &Reply) -> anyhow::Result<u64> {
     reply
         .header("x-kvaffine-matched-blocks")
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+        .ok_or_else(|| anyhow::anyhow!("no x-kvaffine-matched-blocks in {:?}", reply.headers))
 }
 
 fn served_by(reply: &Reply) -> String {
@@ -285,10 +286,10 @@ fn check_warm(
     ensure(cached * 10 >= first_blocks * 9, || {
         format!("{what}: vLLM served {cached} of the first turn's {first_blocks} block tokens")
     })?;
-    ensure(matched(reply) * BLOCK as u64 == cached, || {
+    let predicted = matched(reply)?;
+    ensure(predicted * BLOCK as u64 == cached, || {
         format!(
-            "{what}: kvaffine predicted {} blocks, vLLM served {cached} tokens from cache",
-            matched(reply)
+            "{what}: kvaffine predicted {predicted} blocks, vLLM served {cached} tokens from cache"
         )
     })
 }
@@ -546,13 +547,13 @@ fn native_router() -> anyhow::Result<Router> {
     )?)
 }
 
-/// kvaffine's tokenize call for `body`, the way the filter makes it (its plan), and the
-/// tokens the replica answers it with.
+/// kvaffine's tokenize call for `body`, the way the filter makes it (its plan), the
+/// tokens the replica answers it with, and their keys.
 fn kvaffine_tokens(
     replica: &VllmProcess,
     api: Api,
     body: &Value,
-) -> anyhow::Result<(route::Plan, Vec<u32>, String)> {
+) -> anyhow::Result<(route::PromptKeys, Vec<u32>, String)> {
     let router = native_router()?;
     let plan = route::plan(&router, api, Mode::Precise, body.to_string().as_bytes());
     let Action::Tokenize { path, body: call } = &plan.action else {
@@ -563,13 +564,13 @@ fn kvaffine_tokens(
     ensure(status == 200, || format!("{path}: {status} {text}"))?;
     let tokens =
         route::token_list(text.as_bytes()).ok_or_else(|| anyhow::anyhow!("no tokens in {text}"))?;
-    Ok((plan, tokens, call))
+    let keys = route::PromptKeys::of(&router, &plan.extras, &tokens, None);
+    Ok((keys, tokens, call))
 }
 
 /// kvaffine's keys for `body`, as the filter computes them.
 fn kvaffine_keys(replica: &VllmProcess, api: Api, body: &Value) -> anyhow::Result<Vec<u64>> {
-    let (plan, tokens, _) = kvaffine_tokens(replica, api, body)?;
-    Ok(route::PromptKeys::of(&native_router()?, &plan.extras, &tokens, None).keys)
+    Ok(kvaffine_tokens(replica, api, body)?.0.keys)
 }
 
 /// Where kvaffine's tokens and vLLM's own rendering of `body` part, as text, for a
@@ -815,7 +816,7 @@ fn salt_isolation(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         "tenant b",
     )?;
     ensure(
-        matched(&other) == 0 && other.header("x-kvaffine-reason") != Some("prefix"),
+        matched(&other)? == 0 && other.header("x-kvaffine-reason") != Some("prefix"),
         || {
             format!(
                 "tenant b was routed by tenant a's prefix: {:?}",
@@ -975,16 +976,10 @@ fn replica_restart(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         ),
         "continuation after the restart",
     )?;
-    ensure(
-        matched(&second) * BLOCK as u64 <= chat_cached(&second),
-        || {
-            format!(
-                "kvaffine predicted {} blocks, vLLM served {}",
-                matched(&second),
-                chat_cached(&second)
-            )
-        },
-    )?;
+    let (predicted, cached) = (matched(&second)?, chat_cached(&second));
+    ensure(predicted * BLOCK as u64 <= cached, || {
+        format!("kvaffine predicted {predicted} blocks, vLLM served {cached}")
+    })?;
     // And it is followed again: a new conversation on it returns to it.
     warm_conversations(
         &stack.gateway,
@@ -1006,38 +1001,54 @@ fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         .iter()
         .map(Events::follow)
         .collect::<anyhow::Result<_>>()?;
-    // Conversations of ~600 tokens against 64 blocks (2,048 tokens) per replica: new
-    // ones evict older ones, and continuations come back after several others.
-    let mut open: Vec<(usize, String, Reply)> = Vec::new();
-    let mut checked = 0;
-    for i in 0..16usize {
-        let salt = salt("pressure", i);
-        let mut body = chat_first(1400 + i, &salt);
+    // Conversations of ~600 tokens against 64 blocks (2,048 tokens) per replica. Each is
+    // continued after 0 to 3 newer ones, so some come back whole, others after newer
+    // prompts evicted part or all of them.
+    let conversations = 16usize;
+    let body = |i: usize, salt: &str, first: Option<&Reply>| {
+        let mut body = match first {
+            None => chat_first(1400 + i, salt),
+            Some(first) => chat_pair(1400 + i, salt, first),
+        };
         body["messages"][1]["content"] = json!(prose(1400 + i, 100));
-        let first = ok(
-            post_json(&stack.gateway, "/v1/chat/completions", &body),
-            "turn 1",
-        )?;
-        open.push((i, salt, first));
-        if open.len() > 3 {
-            let (j, salt, first) = open.remove(0);
-            let mut next = chat_pair(1400 + j, &salt, &first);
-            next["messages"][1]["content"] = json!(prose(1400 + j, 100));
+        body
+    };
+    let mut open: Vec<(usize, String, Reply)> = Vec::new();
+    // (predicted blocks, cached tokens, turn 1's full-block tokens) per continuation.
+    let mut outcomes: Vec<(u64, u64, u64)> = Vec::new();
+    for i in 0..conversations + 3 {
+        if i < conversations {
+            let salt = salt("pressure", i);
+            let first = ok(
+                post_json(
+                    &stack.gateway,
+                    "/v1/chat/completions",
+                    &body(i, &salt, None),
+                ),
+                "turn 1",
+            )?;
+            open.push((i, salt, first));
+        }
+        let (due, waiting): (Vec<_>, Vec<_>) =
+            open.into_iter().partition(|(j, _, _)| j + j % 4 <= i);
+        open = waiting;
+        for (j, salt, first) in due {
             let second = ok(
-                post_json(&stack.gateway, "/v1/chat/completions", &next),
+                post_json(
+                    &stack.gateway,
+                    "/v1/chat/completions",
+                    &body(j, &salt, Some(&first)),
+                ),
                 "continuation",
             )?;
-            ensure(
-                matched(&second) * BLOCK as u64 <= chat_cached(&second),
-                || {
-                    format!(
-                        "conversation {j}: kvaffine predicted {} blocks, vLLM served {} tokens",
-                        matched(&second),
-                        chat_cached(&second)
-                    )
-                },
-            )?;
-            checked += 1;
+            let (predicted, cached) = (matched(&second)?, chat_cached(&second));
+            ensure(predicted * BLOCK as u64 <= cached, || {
+                format!(
+                    "conversation {j}: kvaffine predicted {predicted} blocks, vLLM served {cached} tokens"
+                )
+            })?;
+            let first_blocks = chat_prompt(&first) / BLOCK as u64 * BLOCK as u64;
+            outcomes.push((predicted, cached, first_blocks));
         }
     }
     let removed: usize = events
@@ -1047,7 +1058,16 @@ fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     ensure(removed > 0, || {
         "vLLM evicted nothing: the pressure is not real".to_owned()
     })?;
-    ensure(checked >= 10, || format!("only {checked} continuations"))
+    // Neither half vacuous: kvaffine did claim hits, and evictions did cost some
+    // continuation part of its history.
+    ensure(
+        outcomes.iter().any(|(p, _, _)| *p > 0)
+            && outcomes.iter().any(|(_, cached, whole)| cached < whole),
+        || format!("(predicted, cached, turn 1 blocks): {outcomes:?}"),
+    )?;
+    ensure(outcomes.len() == conversations, || {
+        format!("{} continuations", outcomes.len())
+    })
 }
 
 /// `cargo xtask up --upstream ...` (the `stack` binary it runs) in front of real replicas:
@@ -1066,7 +1086,7 @@ fn up_with_upstreams(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         "--gateway-port",
         &port,
         "--prefill-tokens-per-second",
-        "100000",
+        TINY_PREFILL_TOKENS_PER_SECOND,
     ])?;
     let listed = format!("{}, {}", replicas[0].http, replicas[1].http);
     ensure(up.field("replicas:") == Some(listed), || {

@@ -152,11 +152,8 @@ fn tokenize_reads_reasoning_but_not_reasoning_content_as_vllm_does() {
                {"role": "assistant", "content": "", key: "call the tool"},
                {"role": "tool", "content": "sunny"}])
     };
-    let count = |messages: Value| {
-        emu.post("/tokenize", &json!({"messages": messages}))
-            .1["count"]
-            .as_u64()
-    };
+    let count =
+        |messages: Value| emu.post("/tokenize", &json!({"messages": messages})).1["count"].as_u64();
     let prompt = |messages: Value| {
         chat(&emu, json!({"messages": messages, "max_tokens": 1}))["usage"]["prompt_tokens"]
             .as_u64()

@@ -314,15 +314,13 @@ fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
 }
 
 fn seed(out: &str, engine: &str) -> anyhow::Result<()> {
-    use kvaffine_e2e::seed::Engine;
-    let (engine, command) = match engine {
-        "emu" => (Engine::Emu, "cargo xtask bench seed"),
-        "vllm" => (Engine::Vllm, "cargo xtask bench seed --engine vllm"),
+    let (command, (pairs, tokens, replicas)) = match engine {
+        "emu" => ("cargo xtask bench seed", kvaffine_e2e::seed::run()?),
+        "vllm" => (
+            "cargo xtask bench seed --engine vllm",
+            kvaffine_e2e::seed::run_vllm()?,
+        ),
         other => bail!("unknown engine {other:?}"),
-    };
-    let (pairs, tokens) = match engine {
-        Engine::Emu => kvaffine_e2e::seed::run()?,
-        Engine::Vllm => kvaffine_e2e::seed::run_vllm()?,
     };
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
     kvaffine_e2e::seed::write(
@@ -331,7 +329,7 @@ fn seed(out: &str, engine: &str) -> anyhow::Result<()> {
         tokens,
         command,
         &machine,
-        engine,
+        replicas,
     )?;
     for profile in &kvaffine_e2e::seed::PROFILES {
         let s = kvaffine_e2e::seed::summarize(&pairs, profile.name);

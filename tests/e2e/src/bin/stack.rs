@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use kvaffine_e2e::client::post_json;
-use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec, tiny_daemon_args};
 use kvaffine_e2e::{Stack, StackConfig, Upstream};
 use serde_json::{Value, json};
 use vllm_emu::harness::http;
@@ -71,20 +71,16 @@ fn start_vllm(config: StackConfig, replicas: usize) -> anyhow::Result<Running> {
         .map(|r| Upstream::with_events(r.endpoint_flag()))
         .collect();
     Ok(Running {
-        stack: Stack::front(vllm_daemon_rate(config), upstreams)?,
+        stack: Stack::front(
+            StackConfig {
+                daemon_args: tiny_daemon_args(),
+                ..config
+            },
+            upstreams,
+        )?,
         _replicas: processes,
         model: SERVED_MODEL.to_owned(),
     })
-}
-
-/// Until kvaffined measures prefill speed itself, the tiny model's (far above the
-/// 5,000 tokens/s default) is set by hand, so that booked prefill does not pile up.
-fn vllm_daemon_rate(mut config: StackConfig) -> StackConfig {
-    config.daemon_args.extend([
-        "--prefill-tokens-per-second".to_owned(),
-        "100000".to_owned(),
-    ]);
-    config
 }
 
 fn start(engine: Engine, config: StackConfig) -> anyhow::Result<Running> {

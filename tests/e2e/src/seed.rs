@@ -220,8 +220,10 @@ pub fn run() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
 }
 
 /// Prefill throughput of the benchmark model on one core, for the ranking until kvaffined
-/// measures it: the cold 6,653-token prefill this benchmark measures first took 0.59 s
-/// (real vLLM 0.32.0, AMD EPYC; `docs/benchmarks/seed-vllm/README.md`).
+/// measures it: a cold 6,600-token completion took 0.59 s when the model was chosen, and
+/// the cold 6,653-token prefill this benchmark measures first took 0.65 s in its committed
+/// run (real vLLM 0.32.0, AMD EPYC; `docs/benchmarks/seed-vllm/README.md`): 10,000 to
+/// 11,000 tokens/s.
 const VLLM_BENCH_PREFILL_TOKENS_PER_SECOND: &str = "11000";
 
 /// The same measurement on two real vLLM replicas of the benchmark model (64-token

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use kvaffine_core::events::{KvEvent, decode_batch, parse_live};
 use kvaffine_core::route::{self, Action, Api, Mode, Router};
-use kvaffine_e2e::client::{Connection, Reply, post_json};
+use kvaffine_e2e::client::{Connection, Reply, post_json, send};
 use kvaffine_e2e::vllm::{
     SERVED_MODEL, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec, tiny_daemon_args,
 };
@@ -142,7 +142,7 @@ fn main() -> std::process::ExitCode {
             prediction_is_exact,
         ),
         (
-            "under_eviction_no_lookup_claims_more_than_vllm_serves",
+            "under_eviction_predictions_are_what_vllm_serves",
             Pair::Small,
             eviction_pressure,
         ),
@@ -486,11 +486,8 @@ impl Events {
         };
         // A probe request until its blocks arrive: from then on nothing is missed.
         let deadline = Instant::now() + Duration::from_secs(20);
-        static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         loop {
-            let probe = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let seed = 1_000_000 + probe + std::process::id() as usize;
-            let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(seed, BLOCK + 1), "max_tokens": 1});
+            let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(unique_seed(), BLOCK + 1), "max_tokens": 1});
             replica.post("/v1/completions", &body);
             if !events.stored_within(Duration::from_millis(500))?.is_empty() {
                 return Ok(events);
@@ -501,16 +498,16 @@ impl Events {
         }
     }
 
-    /// Block hashes stored in what arrives within `wait`, in order, and how many removed.
-    fn drain(&self, wait: Duration) -> anyhow::Result<(Vec<u64>, usize)> {
-        let deadline = Instant::now() + wait;
-        let (mut stored, mut removed) = (Vec::new(), 0);
+    /// The next batch before `deadline`: its seq, the block hashes it stores in order, and
+    /// how many it removes.
+    fn next_batch(&self, deadline: Instant) -> anyhow::Result<Option<(u64, Vec<u64>, usize)>> {
         while Instant::now() < deadline {
             let Ok(frames) = self.socket.recv_multipart(0) else {
                 continue;
             };
             let live = parse_live(&frames).map_err(|e| anyhow::anyhow!("{e}"))?;
             let batch = decode_batch(live.payload).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let (mut stored, mut removed) = (Vec::new(), 0);
             for event in batch.events {
                 match event {
                     KvEvent::BlockStored(s) => {
@@ -520,12 +517,33 @@ impl Events {
                     KvEvent::AllBlocksCleared => {}
                 }
             }
+            return Ok(Some((live.seq, stored, removed)));
         }
-        Ok((stored, removed))
+        Ok(None)
     }
 
+    /// Block hashes stored in what arrives within `wait`, in order.
     fn stored_within(&self, wait: Duration) -> anyhow::Result<Vec<u64>> {
-        Ok(self.drain(wait)?.0)
+        let deadline = Instant::now() + wait;
+        let mut all = Vec::new();
+        while let Some((_, stored, _)) = self.next_batch(deadline)? {
+            all.extend(stored);
+        }
+        Ok(all)
+    }
+
+    /// Reads up to the batch that stores `key`: that batch's seq, and how many blocks were
+    /// removed on the way.
+    fn until_stored(&self, key: u64) -> anyhow::Result<(u64, usize)> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut removed = 0;
+        while let Some((seq, stored, gone)) = self.next_batch(deadline)? {
+            removed += gone;
+            if stored.contains(&key) {
+                return Ok((seq, removed));
+            }
+        }
+        anyhow::bail!("the replica did not publish block {key:#x} within 10 s")
     }
 
     /// Hashes stored until `count` have arrived (or 10 s pass).
@@ -995,16 +1013,17 @@ fn rekeyed_routing(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     warm_conversations(&stack.gateway, "pickle", 1300, 4, "pickle pair")
 }
 
+/// Conversations on replicas with room for 64 blocks each. Every other continuation
+/// follows its first turn at once; the others follow a flood of more fresh blocks than the
+/// replica holds, straight to it, so that vLLM evicts the whole first turn. Once kvaffined
+/// has applied every event the replicas published, its prediction is exactly what vLLM
+/// serves, hit or evicted.
 fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let stack = stack(replicas)?;
     let events: Vec<Events> = replicas
         .iter()
         .map(Events::follow)
         .collect::<anyhow::Result<_>>()?;
-    // Conversations of ~600 tokens against 64 blocks (2,048 tokens) per replica. Each is
-    // continued after 0 to 3 newer ones, so some come back whole, others after newer
-    // prompts evicted part or all of them.
-    let conversations = 16usize;
     let body = |i: usize, salt: &str, first: Option<&Reply>| {
         let mut body = match first {
             None => chat_first(1400 + i, salt),
@@ -1013,61 +1032,119 @@ fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         body["messages"][1]["content"] = json!(prose(1400 + i, 100));
         body
     };
-    let mut open: Vec<(usize, String, Reply)> = Vec::new();
-    // (predicted blocks, cached tokens, turn 1's full-block tokens) per continuation.
-    let mut outcomes: Vec<(u64, u64, u64)> = Vec::new();
-    for i in 0..conversations + 3 {
-        if i < conversations {
-            let salt = salt("pressure", i);
-            let first = ok(
-                post_json(
-                    &stack.gateway,
-                    "/v1/chat/completions",
-                    &body(i, &salt, None),
-                ),
-                "turn 1",
-            )?;
-            open.push((i, salt, first));
+    // 4 prompts of 20 full blocks each take 84 of the 63 usable blocks: every block cached
+    // before them is evicted (vLLM evicts the least recently freed first).
+    let flood = |replica: &VllmProcess| -> anyhow::Result<()> {
+        for _ in 0..4 {
+            let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(unique_seed(), 20 * BLOCK), "max_tokens": 1});
+            let (status, answer) = replica.post("/v1/completions", &body);
+            ensure(status == 200, || format!("flood: {status} {answer}"))?;
         }
-        let (due, waiting): (Vec<_>, Vec<_>) =
-            open.into_iter().partition(|(j, _, _)| j + j % 4 <= i);
-        open = waiting;
-        for (j, salt, first) in due {
-            let second = ok(
-                post_json(
-                    &stack.gateway,
-                    "/v1/chat/completions",
-                    &body(j, &salt, Some(&first)),
-                ),
-                "continuation",
-            )?;
-            let (predicted, cached) = (matched(&second)?, chat_cached(&second));
-            ensure(predicted * BLOCK as u64 <= cached, || {
+        Ok(())
+    };
+    let mut removed = 0;
+    for i in 0..6 {
+        let salt = salt("pressure", i);
+        let first = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &body(i, &salt, None),
+            ),
+            "turn 1",
+        )?;
+        let holder = replicas
+            .iter()
+            .position(|r| r.http == served_by(&first))
+            .ok_or_else(|| anyhow::anyhow!("turn 1 served by {:?}", served_by(&first)))?;
+        let flooded = i % 2 == 1;
+        if flooded {
+            flood(&replicas[holder])?;
+        }
+        for (replica, events) in replicas.iter().zip(&events) {
+            removed += settle(&stack, replica, events)?;
+        }
+        let second = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &body(i, &salt, Some(&first)),
+            ),
+            "continuation",
+        )?;
+        let (predicted, cached) = (matched(&second)?, chat_cached(&second));
+        let first_blocks = chat_prompt(&first) / BLOCK as u64 * BLOCK as u64;
+        ensure(predicted * BLOCK as u64 == cached, || {
+            format!(
+                "conversation {i} (flooded: {flooded}): kvaffine predicted {predicted} blocks, vLLM served {cached} tokens"
+            )
+        })?;
+        ensure(
+            if flooded {
+                cached < first_blocks
+            } else {
+                cached >= first_blocks && cached > 0
+            },
+            || {
                 format!(
-                    "conversation {j}: kvaffine predicted {predicted} blocks, vLLM served {cached} tokens"
+                    "conversation {i} (flooded: {flooded}): vLLM served {cached} of turn 1's {first_blocks} block tokens"
                 )
-            })?;
-            let first_blocks = chat_prompt(&first) / BLOCK as u64 * BLOCK as u64;
-            outcomes.push((predicted, cached, first_blocks));
-        }
+            },
+        )?;
     }
-    let removed: usize = events
-        .iter()
-        .map(|e| e.drain(Duration::from_millis(200)).map(|(_, r)| r))
-        .sum::<anyhow::Result<usize>>()?;
     ensure(removed > 0, || {
-        "vLLM evicted nothing: the pressure is not real".to_owned()
-    })?;
-    // Neither half vacuous: kvaffine did claim hits, and evictions did cost some
-    // continuation part of its history.
-    ensure(
-        outcomes.iter().any(|(p, _, _)| *p > 0)
-            && outcomes.iter().any(|(_, cached, whole)| cached < whole),
-        || format!("(predicted, cached, turn 1 blocks): {outcomes:?}"),
-    )?;
-    ensure(outcomes.len() == conversations, || {
-        format!("{} continuations", outcomes.len())
+        "vLLM published no removal: the pressure is not real".to_owned()
     })
+}
+
+/// A prompt seed no other request of this run uses.
+fn unique_seed() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    1_000_000
+        + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 1000
+        + std::process::id() as usize % 1000
+}
+
+/// Waits until kvaffined has applied everything `replica` published so far: a one-block
+/// marker prompt goes to the replica, `events` reads up to the batch that stores it, and
+/// kvaffined's `next_seq` for the replica must pass that batch. Returns the blocks removed
+/// on the way.
+fn settle(stack: &Stack, replica: &VllmProcess, events: &Events) -> anyhow::Result<usize> {
+    let prompt = token_prompt(unique_seed(), BLOCK + 1);
+    let router = native_router()?;
+    let body = json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1});
+    let plan = route::plan(
+        &router,
+        Api::Completions,
+        Mode::Precise,
+        body.to_string().as_bytes(),
+    );
+    let Action::Lookup(keys) = plan.action else {
+        anyhow::bail!("token prompt planned as {:?}", plan.action);
+    };
+    let marker = *keys
+        .keys
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("marker prompt has no full block"))?;
+    let (status, answer) = replica.post("/v1/completions", &body);
+    ensure(status == 200, || format!("marker: {status} {answer}"))?;
+    let (seq, removed) = events.until_stored(marker)?;
+    let applied = || {
+        let reply = send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"");
+        reply.json()["endpoints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["endpoint"] == replica.http.as_str())
+            .and_then(|e| e["status"]["next_seq"].as_u64())
+            .is_some_and(|next| next > seq)
+    };
+    poll(
+        "kvaffined to apply the replica's events",
+        Duration::from_secs(10),
+        applied,
+    )?;
+    Ok(removed)
 }
 
 /// `cargo xtask up --upstream ...` (the `stack` binary it runs) in front of real replicas:

@@ -756,7 +756,9 @@ pub fn lookup_body(
 pub struct Pick {
     /// The pick first, then the ranked fallbacks.
     pub endpoints: Vec<String>,
-    /// Blocks the pick holds.
+    /// Blocks the pick's events confirm it holds. A booked prefix counts once its events
+    /// arrive: until its prefill is done vLLM cannot serve it, so a sibling sent meanwhile
+    /// is still steered to it but predicted no more than its index shows.
     pub matched_blocks: u64,
     /// The daemon's reason.
     pub reason: String,
@@ -804,6 +806,8 @@ pub fn parse_lookup(router: &Router, answer: &[u8]) -> Result<Pick, LookupError>
         .map(str::to_owned)
         .collect();
     let first = endpoints.first().ok_or(LookupError::Empty)?;
+    // `indexed_blocks` leaves bookings out; a daemon older than it only says
+    // `matched_blocks`.
     let matched_blocks = value
         .get("endpoints")
         .and_then(Value::as_array)
@@ -811,7 +815,7 @@ pub fn parse_lookup(router: &Router, answer: &[u8]) -> Result<Pick, LookupError>
             all.iter()
                 .find(|e| e.get("endpoint").and_then(Value::as_str) == Some(first))
         })
-        .and_then(|e| e.get("matched_blocks"))
+        .and_then(|e| e.get("indexed_blocks").or_else(|| e.get("matched_blocks")))
         .and_then(Value::as_u64)
         .unwrap_or(0);
     let reason = value
@@ -1034,6 +1038,14 @@ mod tests {
             Err(LookupError::Empty)
         );
         assert_eq!(parse_lookup(&r, b"nope"), Err(LookupError::Malformed));
+    }
+
+    #[test]
+    fn a_booked_prefix_is_predicted_only_as_far_as_its_events_confirm() {
+        let r = router("");
+        let answer = br#"{"ranked":["10.0.0.2:8000"],"reason":"prefix",
+            "endpoints":[{"endpoint":"10.0.0.2:8000","matched_blocks":9,"indexed_blocks":2}]}"#;
+        assert_eq!(parse_lookup(&r, answer).unwrap().matched_blocks, 2);
     }
 
     #[test]

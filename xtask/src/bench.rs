@@ -32,7 +32,8 @@ fn command_output(program: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
-fn machine() -> String {
+/// The CPU, core count, toolchain and time of a measurement, for its page.
+pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|info| {
@@ -164,17 +165,39 @@ pub fn seed(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`.
-pub fn peers() -> anyhow::Result<()> {
+/// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`
+/// (`--engine vllm`: their workloads on real vLLM -> `docs/benchmarks/peers-vllm/`).
+pub fn peers(args: &[&str]) -> anyhow::Result<()> {
     sh::ensure_venv(&["vllm-router==0.1.17", "sglang-router==0.3.2"])?;
+    match args {
+        [] | ["--engine", "emu"] => {}
+        ["--engine", "vllm"] => {
+            let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
+            crate::vllm::ensure_model(&venv, &crate::vllm::BENCH)?;
+            let out = sh::root().join("docs/benchmarks/peers-vllm");
+            println!(
+                "{}",
+                stack_bench(&["peers", &out.display().to_string(), "vllm"])?
+            );
+            return Ok(());
+        }
+        _ => anyhow::bail!("usage: cargo xtask bench peers [--engine emu|vllm]"),
+    }
     let out = sh::root().join("docs/benchmarks");
     let md = stack_bench(&["peers", &out.display().to_string()])?;
     println!("{md}");
     Ok(())
 }
 
-/// The production scenarios -> `docs/benchmarks/README.md` and `docs/benchmarks/scenarios/`.
-pub fn scenarios() -> anyhow::Result<()> {
+/// The production scenarios -> `docs/benchmarks/README.md` and `docs/benchmarks/scenarios/`
+/// (`--engine vllm`: on real vLLM beside the emulator at the same shapes ->
+/// `docs/benchmarks/scenarios-vllm/`).
+pub fn scenarios(args: &[&str]) -> anyhow::Result<()> {
+    match args {
+        [] | ["--engine", "emu"] => {}
+        ["--engine", "vllm"] => return scenarios_vllm(),
+        _ => anyhow::bail!("usage: cargo xtask bench scenarios [--engine emu|vllm]"),
+    }
     let out = sh::root().join("docs/benchmarks/scenarios");
     let started = std::time::Instant::now();
     let table = stack_bench(&["scenarios", &out.display().to_string()])?;
@@ -186,6 +209,25 @@ pub fn scenarios() -> anyhow::Result<()> {
         )
         .replace("{{TABLE}}", &table);
     write(&sh::root().join("docs/benchmarks/README.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+fn scenarios_vllm() -> anyhow::Result<()> {
+    let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
+    crate::vllm::ensure_model(&venv, &crate::vllm::BENCH)?;
+    let out = sh::root().join("docs/benchmarks/scenarios-vllm");
+    let started = std::time::Instant::now();
+    let tables = stack_bench(&["scenarios", &out.display().to_string(), "vllm"])?;
+    let md = include_str!("bench_scenarios_vllm.md")
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{VERSION}}", &crate::vllm::newest()?)
+        .replace(
+            "{{MINUTES}}",
+            &format!("{:.1}", started.elapsed().as_secs_f64() / 60.0),
+        )
+        .replace("{{TABLES}}", &tables);
+    write(&out.join("README.md"), &md)?;
     println!("{md}");
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! itself, so a fresh machine needs nothing but the Rust toolchain.
 
 mod bench;
+mod compat;
 mod demo;
 mod docs;
 mod sh;
@@ -20,8 +21,11 @@ commands:
   up --upstream HOST:PORT [--upstream HOST:PORT ...] [--block-size N] [--gateway-port P]
      [--prefill-tokens-per-second N]
                 kvaffined and Envoy in front of vLLM replicas you already run
-  test          every check CI runs: fmt, clippy (native and wasm32), all tests, deploy/
+  test          every check CI runs: fmt, clippy (native and wasm32), all tests (real vLLM:
+                the newest pinned version, and an older one on the routing subset), deploy/
                 validation, the docs site
+  compat [--version V ...]
+                the real-vLLM suite against every pinned vLLM version -> docs/compat.md
   docs          regenerate the reference pages, build the book into target/book
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
@@ -29,9 +33,12 @@ commands:
   bench seed [--engine emu|vllm]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
                 (real vLLM: docs/benchmarks/seed-vllm/)
-  bench scenarios
+  bench scenarios [--engine emu|vllm]
                 eight production scenarios x routing profiles -> docs/benchmarks/README.md
-  bench peers   vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
+                (real vLLM, beside the emulator at the same shapes: docs/benchmarks/scenarios-vllm/)
+  bench peers [--engine emu|vllm]
+                vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
+                (real vLLM: docs/benchmarks/peers-vllm/)
   bench reliability
                 faults, 60 s of load, ingest under lookups -> docs/reliability.md
   fuzz TARGET SECONDS
@@ -55,14 +62,15 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["demo", rest @ ..] => demo::run(rest),
         ["up", rest @ ..] => demo::up(rest),
         ["test"] => test(),
+        ["compat", rest @ ..] => compat::run(rest),
         ["docs"] => docs::build(),
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "filter"] => bench::filter(),
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
-        ["bench", "peers"] => bench::peers(),
-        ["bench", "scenarios"] => bench::scenarios(),
+        ["bench", "peers", rest @ ..] => bench::peers(rest),
+        ["bench", "scenarios", rest @ ..] => bench::scenarios(rest),
         ["fuzz", target, seconds] => fuzz(target, seconds),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
@@ -163,13 +171,30 @@ fn test() -> anyhow::Result<()> {
         )?;
         docs::check()
     })?;
-    // The real-vLLM suite needs its venv and model; installed once, then cached.
-    phase("real vLLM install", vllm::ensure_newest)?;
+    // The real-vLLM suite needs its venvs and model; installed once, then cached.
+    phase("real vLLM install", || {
+        vllm::ensure_newest()?;
+        vllm::ensure(vllm::CI_OLDER).map(drop)
+    })?;
     let mut counts = (0, 0);
     phase("cargo test --workspace", || {
-        counts = sh::cargo_test(&["test", "--workspace"])?;
+        counts = sh::cargo_test(&["test", "--workspace"], &[])?;
         Ok(())
     })?;
+    phase(
+        &format!("real vLLM {} (routing subset)", vllm::CI_OLDER),
+        || {
+            let (passed, failed) = sh::cargo_test(
+                &["test", "-p", "kvaffine-e2e", "--test", "real_vllm"],
+                &[
+                    ("KVAFFINE_VLLM_VERSION", vllm::CI_OLDER),
+                    ("KVAFFINE_VLLM_CHECKS", "routing"),
+                ],
+            )?;
+            counts = (counts.0 + passed, counts.1 + failed);
+            Ok(())
+        },
+    )?;
     // The plain closing line CI reads, summed over every test binary above.
     println!("xtask test: {} passed, {} failed", counts.0, counts.1);
     Ok(())

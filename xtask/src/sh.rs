@@ -34,12 +34,13 @@ pub fn cargo(args: &[&str]) -> anyhow::Result<()> {
     run(Command::new(cargo_bin()).args(args))
 }
 
-/// Runs `cargo test ...`, echoing its output, and sums the passed and failed counts of
+/// Runs `cargo test ...` with `envs` set, echoing its output, and sums the passed and failed counts of
 /// every `test result:` line. Fails if cargo does.
-pub fn cargo_test(args: &[&str]) -> anyhow::Result<(u64, u64)> {
+pub fn cargo_test(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<(u64, u64)> {
     let mut command = Command::new(cargo_bin());
     command
         .args(args)
+        .envs(envs.iter().copied())
         .current_dir(root())
         .stdout(Stdio::piped());
     eprintln!("$ {command:?}");

@@ -40,6 +40,11 @@ fn version_key(version: &str) -> Vec<u32> {
     version.split('.').filter_map(|p| p.parse().ok()).collect()
 }
 
+/// The older version `cargo xtask test` runs the routing subset on, beside the newest:
+/// the oldest kvaffine claims (map-format events start, no replay topic frame, bare salts
+/// in the hash, `NONE_HASH` random unless `PYTHONHASHSEED` is set).
+pub const CI_OLDER: &str = "0.24.0";
+
 /// A model shape `tests/vllm/model/build.py` builds.
 pub struct ModelShape {
     /// The directory name under `.venv-vllm/models`.

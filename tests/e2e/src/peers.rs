@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use serde_json::json;
-use vllm_emu::harness::{EmuProcess, http};
+use vllm_emu::harness::http;
 
 use crate::load::{Bodies, Latencies, closed_loop, cpu_seconds, ms};
 use crate::scenarios::{self, Run, Scenario, queried_tokens};
@@ -97,13 +97,51 @@ fn free_ports() -> anyhow::Result<(u16, u16)> {
     Ok((a.local_addr()?.port(), b.local_addr()?.port()))
 }
 
+/// A replica as a peer router is told of it: its HTTP address and its event sockets.
+pub struct Worker {
+    /// `HOST:PORT`.
+    pub http: String,
+    /// Its ZMQ PUB endpoint.
+    pub events: String,
+    /// Its ZMQ replay endpoint, if it has one.
+    pub replay: Option<String>,
+}
+
+impl Worker {
+    /// The replicas `stack` routes to, from the `--endpoint HTTP=EVENTS[,REPLAY]` it gives
+    /// kvaffined (emulated or real alike).
+    pub fn of(stack: &Stack) -> Vec<Self> {
+        stack
+            .upstreams
+            .iter()
+            .map(|u| {
+                let sockets = u
+                    .events
+                    .as_deref()
+                    .and_then(|flag| flag.split_once('='))
+                    .map_or("", |(_, sockets)| sockets);
+                let (events, replay) = match sockets.split_once(',') {
+                    Some((events, replay)) => (events.to_owned(), Some(replay.to_owned())),
+                    None => (sockets.to_owned(), None),
+                };
+                Self {
+                    http: u.http.clone(),
+                    events,
+                    replay,
+                }
+            })
+            .collect()
+    }
+}
+
 impl PeerProcess {
-    /// Starts the peer router of `router` in front of `replicas` (`None` for kvaffine and
-    /// round robin, which are routes of the stack's Envoy).
+    /// Starts the peer router of `router` in front of `replicas` serving `model` (`None`
+    /// for kvaffine and round robin, which are routes of the stack's Envoy).
     pub fn start(
         router: Router,
-        replicas: &[EmuProcess],
+        replicas: &[Worker],
         block_size: usize,
+        model: &str,
     ) -> anyhow::Result<Option<Self>> {
         let (port, metrics_port) = free_ports()?;
         let workers: Vec<String> = replicas
@@ -133,7 +171,7 @@ impl PeerProcess {
                     }
                     command
                         .args(["--kv-event-block-size", &block_size.to_string()])
-                        .args(["--kv-event-model", "emu-model"]);
+                        .args(["--kv-event-model", model]);
                 }
                 command
             }
@@ -213,10 +251,15 @@ pub fn workloads() -> Vec<Scenario> {
         .collect()
 }
 
-/// Runs `workload` under `arm` on a fresh stack.
-pub fn run_workload(workload: &Scenario, arm: Arm) -> anyhow::Result<Run> {
-    scenarios::run_through(workload, arm.name, true, 1, true, |stack| {
-        let peer = PeerProcess::start(arm.router, &stack.replicas, 16)?;
+/// Runs `workload` under `arm` on a fresh stack of `engine`.
+pub fn run_workload(
+    engine: &mut scenarios::Engine,
+    workload: &Scenario,
+    arm: Arm,
+) -> anyhow::Result<Run> {
+    let (block_size, model) = (engine.block_size(), engine.model());
+    scenarios::run_through(engine, workload, arm.name, true, 1, true, |stack| {
+        let peer = PeerProcess::start(arm.router, &Worker::of(stack), block_size, model)?;
         let url = format!("{}v1/chat/completions", base_url(arm, stack, peer.as_ref()));
         Ok((url, peer))
     })
@@ -249,7 +292,7 @@ pub fn seed(pairs: usize) -> anyhow::Result<Vec<SeedPair>> {
     let stack = crate::seed::reference_stack()?;
     let peers: Vec<Option<PeerProcess>> = ARMS
         .iter()
-        .map(|arm| PeerProcess::start(arm.router, &stack.replicas, 64))
+        .map(|arm| PeerProcess::start(arm.router, &Worker::of(&stack), 64, "emu-model"))
         .collect::<anyhow::Result<_>>()?;
     let replicas: Vec<String> = stack.replicas.iter().map(|r| r.http.clone()).collect();
     let nonce = std::time::SystemTime::now()
@@ -344,7 +387,7 @@ pub fn overhead(bytes: usize, rounds: usize, per_round: usize) -> anyhow::Result
     })?;
     let peers: Vec<Option<PeerProcess>> = ARMS
         .iter()
-        .map(|arm| PeerProcess::start(arm.router, &stack.replicas, 16))
+        .map(|arm| PeerProcess::start(arm.router, &Worker::of(&stack), 16, "emu-model"))
         .collect::<anyhow::Result<_>>()?;
     let runtime = crate::load::runtime()?;
     let client = crate::load::client()?;
@@ -509,57 +552,7 @@ pub fn write(
     writeln!(md, "Command: `{command}`. Machine: {machine}.\n")?;
     md.push_str(include_str!("peers_intro.md"));
     summary(&mut md, runs, seed, overheads)?;
-    let mut json_runs = Vec::new();
-    writeln!(md, "\n## Scenarios\n")?;
-    for workload in workloads() {
-        let mine: Vec<&Run> = runs
-            .iter()
-            .filter(|r| r.scenario == workload.name)
-            .collect();
-        let Some(reference) = mine.first().map(|r| r.figures()) else {
-            continue;
-        };
-        writeln!(md, "### {}: {}\n", workload.name, workload.about)?;
-        writeln!(
-            md,
-            "| router | KV hit | oracle | hit / oracle | TTFT p50 | TTFT p99 | req/s | failed | token imbalance | hit vs precise | TTFT p50 vs precise | TTFT p99 vs precise | req/s vs precise |"
-        )?;
-        writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
-        let mut chart_rows = Vec::new();
-        for run in &mine {
-            let f = run.figures();
-            writeln!(
-                md,
-                "| {} | {:.1}% | {:.1}% | {:.2} | {:.0} ms | {:.0} ms | {:.1} | {} | {:.2} | {} | {} | {} | {} |",
-                run.profile,
-                f.hit_pct,
-                f.oracle_pct,
-                f.hit_pct / f.oracle_pct.max(1e-9),
-                f.ttft_p50_ms,
-                f.ttft_p99_ms,
-                f.throughput,
-                f.failed,
-                f.token_imbalance,
-                ratio(f.hit_pct, reference.hit_pct),
-                ratio(f.ttft_p50_ms, reference.ttft_p50_ms),
-                ratio(f.ttft_p99_ms, reference.ttft_p99_ms),
-                ratio(f.throughput, reference.throughput),
-            )?;
-            chart_rows.push((run.profile.clone(), f.hit_pct, f.oracle_pct));
-            json_runs.push(json!({"workload": run.scenario, "router": run.profile,
-                "requests": f.requests, "failed": f.failed, "hit_pct": f.hit_pct,
-                "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
-                "ttft_p99_ms": f.ttft_p99_ms, "throughput": f.throughput,
-                "token_imbalance": f.token_imbalance}));
-        }
-        let chart = format!("peers/{}.svg", workload.name);
-        crate::chart::scenario_chart(
-            &dir.join(&chart),
-            &format!("{}: KV hit by router", workload.name),
-            &chart_rows,
-        )?;
-        writeln!(md, "\n![{}]({chart})\n", workload.name)?;
-    }
+    let json_runs = scenario_tables(&mut md, dir, runs)?;
     writeln!(md, "## The two-turn reference measurement\n")?;
     writeln!(
         md,
@@ -628,5 +621,94 @@ pub fn write(
         serde_json::to_string_pretty(&results)? + "\n",
     )?;
     std::fs::write(dir.join("peers.md"), &md)?;
+    Ok(md)
+}
+
+/// One table and chart per workload (the first router of each is the ratios'
+/// reference); returns the figures as JSON.
+fn scenario_tables(
+    md: &mut String,
+    dir: &Path,
+    runs: &[Run],
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    use std::fmt::Write as _;
+    let mut json_runs = Vec::new();
+    writeln!(md, "\n## Scenarios\n")?;
+    for workload in workloads() {
+        let mine: Vec<&Run> = runs
+            .iter()
+            .filter(|r| r.scenario == workload.name)
+            .collect();
+        let Some(reference) = mine.first().map(|r| r.figures()) else {
+            continue;
+        };
+        writeln!(md, "### {}: {}\n", workload.name, workload.about)?;
+        writeln!(
+            md,
+            "| router | KV hit | oracle | hit / oracle | TTFT p50 | TTFT p99 | req/s | failed | token imbalance | hit vs precise | TTFT p50 vs precise | TTFT p99 vs precise | req/s vs precise |"
+        )?;
+        writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+        let mut chart_rows = Vec::new();
+        for run in &mine {
+            let f = run.figures();
+            writeln!(
+                md,
+                "| {} | {:.1}% | {:.1}% | {:.2} | {:.0} ms | {:.0} ms | {:.1} | {} | {:.2} | {} | {} | {} | {} |",
+                run.profile,
+                f.hit_pct,
+                f.oracle_pct,
+                f.hit_pct / f.oracle_pct.max(1e-9),
+                f.ttft_p50_ms,
+                f.ttft_p99_ms,
+                f.throughput,
+                f.failed,
+                f.token_imbalance,
+                ratio(f.hit_pct, reference.hit_pct),
+                ratio(f.ttft_p50_ms, reference.ttft_p50_ms),
+                ratio(f.ttft_p99_ms, reference.ttft_p99_ms),
+                ratio(f.throughput, reference.throughput),
+            )?;
+            chart_rows.push((run.profile.clone(), f.hit_pct, f.oracle_pct));
+            json_runs.push(json!({"workload": run.scenario, "router": run.profile,
+                "requests": f.requests, "failed": f.failed, "hit_pct": f.hit_pct,
+                "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
+                "ttft_p99_ms": f.ttft_p99_ms, "throughput": f.throughput,
+                "token_imbalance": f.token_imbalance}));
+        }
+        let chart = format!("peers/{}.svg", workload.name);
+        crate::chart::scenario_chart(
+            &dir.join(&chart),
+            &format!("{}: KV hit by router", workload.name),
+            &chart_rows,
+        )?;
+        writeln!(md, "\n![{}]({chart})\n", workload.name)?;
+    }
+    Ok(json_runs)
+}
+
+/// Writes `README.md`, `peers.json` and the charts of the peers on real vLLM into `dir`:
+/// the workloads only (the two-turn reference is `bench seed --engine vllm`'s, and the
+/// added latency is a property of the routers, measured on the emulator's instant
+/// replicas).
+pub fn write_vllm(
+    dir: &Path,
+    runs: &[Run],
+    command: &str,
+    machine: &str,
+    version: &str,
+) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    std::fs::create_dir_all(dir.join("peers"))?;
+    let mut md = String::from("# kvaffine and the peers on real vLLM\n\n");
+    writeln!(md, "Command: `{command}`. Machine: {machine}.\n")?;
+    md.push_str(&include_str!("peers_vllm_intro.md").replace("{{VERSION}}", version));
+    let json_runs = scenario_tables(&mut md, dir, runs)?;
+    std::fs::write(
+        dir.join("peers/peers.json"),
+        serde_json::to_string_pretty(
+            &json!({"command": command, "machine": machine, "scenarios": json_runs}),
+        )? + "\n",
+    )?;
+    std::fs::write(dir.join("README.md"), &md)?;
     Ok(md)
 }

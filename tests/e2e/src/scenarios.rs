@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use vllm_emu::rng::XorShift64;
 
-use crate::session::{Session, TurnResult, turn};
-use crate::{Stack, StackConfig};
+use crate::session::{Oracle, Session, TurnResult, turn};
+use crate::vllm::{OracleProcess, VllmProcess};
+use crate::{Stack, StackConfig, Upstream};
 
 /// A routing profile and the route prefix that selects it.
 #[derive(Clone, Copy)]
@@ -165,6 +166,10 @@ pub struct Ctx {
     /// Send `cache_salt` as text at the start of the conversation instead (for routers
     /// that do not route salted requests by prefix; isolation stays the same).
     pub salt_as_text: bool,
+    /// The model name requests carry.
+    pub model: String,
+    /// Who says what each replica holds.
+    pub oracle: Oracle,
 }
 
 async fn sessions_interleaved(ctx: &Ctx, sessions: &mut [Session], rounds: usize) {
@@ -245,20 +250,66 @@ pub struct Scenario {
     pub about: &'static str,
     /// Replicas.
     pub replicas: usize,
-    /// Extra flags for every replica.
+    /// Extra flags for every emulated replica.
     pub replica_args: Vec<String>,
+    /// KV cache capacity per replica in tokens, when the scenario limits it.
+    pub kv_tokens: Option<usize>,
+}
+
+/// The replicas scenarios run on.
+pub enum Engine {
+    /// Fresh vllm-emu replicas for every run, at time scale 0.2, with `block_size`-token
+    /// blocks.
+    Emu {
+        /// Tokens per block.
+        block_size: usize,
+    },
+    /// Real vLLM replicas (one scenario's): their prefix caches are reset before every
+    /// run, and the oracle rebuilds what they hold from their own events.
+    Vllm {
+        /// The running replicas.
+        replicas: Vec<VllmProcess>,
+        /// kvaffined's `--prefill-tokens-per-second` for their model.
+        prefill_tokens_per_second: String,
+    },
+}
+
+impl Engine {
+    /// The emulator at the reference shape (16-token blocks).
+    pub fn emu() -> Self {
+        Self::Emu { block_size: 16 }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        match self {
+            Self::Emu { block_size } => *block_size,
+            Self::Vllm { replicas, .. } => replicas.first().map_or(0, VllmProcess::block_size),
+        }
+    }
+
+    /// The model name its replicas serve.
+    pub fn model(&self) -> &'static str {
+        match self {
+            Self::Emu { .. } => "emu-model",
+            Self::Vllm { .. } => crate::vllm::SERVED_MODEL,
+        }
+    }
 }
 
 const SYSTEM: &str = "You are a careful software agent. Think, then act.";
 
-/// Runs `scenario` under `profile`; `variant` names a profile variant (lag, booking).
+/// Runs `scenario` under `profile` on `engine`; `variant` names a profile variant (lag,
+/// booking).
 pub fn run(
+    engine: &mut Engine,
     scenario: &Scenario,
     profile: Profile,
     variant: &str,
     daemons: usize,
 ) -> anyhow::Result<Run> {
     run_through(
+        engine,
         scenario,
         &format!("{}{variant}", profile.name),
         profile.book,
@@ -294,6 +345,7 @@ pub fn queried_tokens(replicas: &[String]) -> Vec<u64> {
 /// for that stack (keeping whatever `target` returns alive until the end: a peer router
 /// process, for example).
 pub fn run_through<T>(
+    engine: &mut Engine,
     scenario: &Scenario,
     name: &str,
     book: bool,
@@ -301,22 +353,84 @@ pub fn run_through<T>(
     salt_as_text: bool,
     target: impl FnOnce(&Stack) -> anyhow::Result<(String, T)>,
 ) -> anyhow::Result<Run> {
-    let mut replica_args: Vec<String> = vec!["--time-scale".into(), "0.2".into()];
-    replica_args.extend(scenario.replica_args.iter().cloned());
-    let mut stack = Stack::start(StackConfig {
-        replicas: scenario.replicas,
-        block_size: 16,
-        replica_args,
-        filter: json!({"book": book, "timeout_ms": 500}),
-        daemons,
-        ..StackConfig::default()
-    })?;
+    let filter = json!({"book": book, "timeout_ms": 500});
+    let model = engine.model();
+    let (mut stack, oracle, oracle_process) = match engine {
+        Engine::Emu { block_size } => {
+            let mut replica_args: Vec<String> = vec!["--time-scale".into(), "0.2".into()];
+            replica_args.extend(scenario.replica_args.iter().cloned());
+            if let Some(tokens) = scenario.kv_tokens {
+                replica_args.extend([
+                    "--num-gpu-blocks".into(),
+                    (tokens / *block_size).to_string(),
+                ]);
+            }
+            let stack = Stack::start(StackConfig {
+                replicas: scenario.replicas,
+                block_size: *block_size,
+                replica_args,
+                filter,
+                daemons,
+                ..StackConfig::default()
+            })?;
+            (stack, Oracle::Emulator, None)
+        }
+        Engine::Vllm {
+            replicas,
+            prefill_tokens_per_second,
+        } => {
+            for replica in replicas.iter() {
+                let (status, answer) = replica.post("/reset_prefix_cache", &json!({}));
+                anyhow::ensure!(
+                    status == 200,
+                    "reset_prefix_cache on {}: {status} {answer}",
+                    replica.http
+                );
+            }
+            let process = OracleProcess::start(replicas)?;
+            let first = replicas
+                .first()
+                .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+            let (version_filter, version_args) = crate::vllm::kvaffine_settings(first.version());
+            let mut filter = filter;
+            if let (Value::Object(filter), Value::Object(version)) = (&mut filter, version_filter) {
+                filter.extend(version);
+            }
+            let stack = Stack::front(
+                StackConfig {
+                    block_size: first.block_size(),
+                    filter,
+                    daemons,
+                    daemon_args: [
+                        vec![
+                            "--prefill-tokens-per-second".to_owned(),
+                            prefill_tokens_per_second.clone(),
+                        ],
+                        version_args,
+                    ]
+                    .concat(),
+                    ..StackConfig::default()
+                },
+                replicas
+                    .iter()
+                    .map(|r| Upstream::with_events(r.endpoint_flag()))
+                    .collect(),
+            )?;
+            let oracle = Oracle::Vllm {
+                service: process.addr.clone(),
+                render: first.http.clone(),
+            };
+            (stack, oracle, Some(process))
+        }
+    };
     let (url, guard) = target(&stack)?;
     let ctx = Ctx {
         url,
-        replicas: stack.replicas.iter().map(|r| r.http.clone()).collect(),
+        replicas: stack.upstreams.iter().map(|r| r.http.clone()).collect(),
         client: crate::load::client()?,
         salt_as_text,
+        model: model.to_owned(),
+        oracle,
     };
     let runtime = crate::load::runtime()?;
     let before = queried_tokens(&ctx.replicas);
@@ -336,6 +450,7 @@ pub fn run_through<T>(
         })
         .collect();
     drop(guard);
+    drop(oracle_process);
     Ok(Run {
         scenario: scenario.name.to_owned(),
         profile: name.to_owned(),
@@ -456,7 +571,10 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
         "replica-restart" => {
             let run = tokio::spawn(faulted_sessions(ctx, 500, 11));
             tokio::time::sleep(FAULT_AT).await;
-            let replica = &mut stack.replicas[0];
+            let replica = stack
+                .replicas
+                .first_mut()
+                .ok_or_else(|| anyhow::anyhow!("replica-restart runs on emulated replicas"))?;
             tokio::task::block_in_place(|| replica.restart());
             collect(&run.await.unwrap_or_default())
         }
@@ -491,6 +609,7 @@ pub fn all() -> Vec<Scenario> {
         about,
         replicas,
         replica_args: Vec::new(),
+        kv_tokens: None,
     };
     vec![
         plain(
@@ -507,7 +626,9 @@ pub fn all() -> Vec<Scenario> {
             name: "cache-pressure",
             about: "working set twice the fleet's KV capacity: evictions and BlockRemoved",
             replicas: 2,
-            replica_args: vec!["--num-gpu-blocks".into(), "256".into()],
+            replica_args: Vec::new(),
+            // 256 blocks of 16 tokens.
+            kv_tokens: Some(4096),
         },
         plain(
             "branching",

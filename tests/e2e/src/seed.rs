@@ -219,13 +219,6 @@ pub fn run() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
     Ok((pairs, tokens, Replicas::Emu))
 }
 
-/// Prefill throughput of the benchmark model on one core, for the ranking until kvaffined
-/// measures it: a cold 6,600-token completion took 0.59 s when the model was chosen, and
-/// the cold 6,653-token prefill this benchmark measures first took 0.65 s in its committed
-/// run (real vLLM 0.32.0, AMD EPYC; `docs/benchmarks/seed-vllm/README.md`): 10,000 to
-/// 11,000 tokens/s.
-const VLLM_BENCH_PREFILL_TOKENS_PER_SECOND: &str = "11000";
-
 /// The same measurement on two real vLLM replicas of the benchmark model (64-token
 /// blocks). Dummy weights generate different text per pair, so each continuation is
 /// padded to the published length from the replica's own rendering of it.
@@ -248,7 +241,7 @@ pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
             block_size: 64,
             daemon_args: vec![
                 "--prefill-tokens-per-second".into(),
-                VLLM_BENCH_PREFILL_TOKENS_PER_SECOND.into(),
+                crate::vllm::BENCH_PREFILL_TOKENS_PER_SECOND.into(),
             ],
             ..StackConfig::default()
         },

@@ -28,17 +28,58 @@ pub struct TurnResult {
     pub message: Value,
 }
 
+/// Who says what each replica holds.
+#[derive(Clone, Debug)]
+pub enum Oracle {
+    /// vllm-emu answers `/debug/cached_tokens` itself.
+    Emulator,
+    /// Real vLLM: `tests/vllm/oracle.py` at `service` (`HOST:PORT`), given the prompt's
+    /// token ids as vLLM renders them (`render`: a replica whose
+    /// `/v1/chat/completions/render` is asked).
+    Vllm {
+        /// The oracle process.
+        service: String,
+        /// A replica's address.
+        render: String,
+    },
+}
+
 /// The most any replica could have served from its cache for `body` right now.
-pub fn oracle(replicas: &[String], body: &Value) -> u64 {
-    replicas
-        .iter()
-        .filter_map(|r| {
-            let (status, text) = http(r, "POST", "/debug/cached_tokens", &body.to_string());
-            (status == 200).then(|| serde_json::from_str::<Value>(&text).ok())?
-        })
-        .filter_map(|v| v["cached_tokens"].as_u64())
-        .max()
-        .unwrap_or(0)
+pub fn oracle(oracle: &Oracle, replicas: &[String], body: &Value) -> u64 {
+    let json = |(status, text): (u16, String)| {
+        (status == 200)
+            .then(|| serde_json::from_str::<Value>(&text).ok())
+            .flatten()
+    };
+    match oracle {
+        Oracle::Emulator => replicas
+            .iter()
+            .filter_map(|r| json(http(r, "POST", "/debug/cached_tokens", &body.to_string())))
+            .filter_map(|v| v["cached_tokens"].as_u64())
+            .max()
+            .unwrap_or(0),
+        Oracle::Vllm { service, render } => {
+            let Some(rendered) = json(http(
+                render,
+                "POST",
+                "/v1/chat/completions/render",
+                &body.to_string(),
+            )) else {
+                return 0;
+            };
+            let query =
+                json!({"token_ids": rendered["token_ids"], "cache_salt": body["cache_salt"]});
+            json(http(service, "POST", "/cached", &query.to_string()))
+                .and_then(|v| {
+                    v["cached_tokens"]
+                        .as_object()?
+                        .values()
+                        .filter_map(Value::as_u64)
+                        .max()
+                })
+                .unwrap_or(0)
+        }
+    }
 }
 
 /// Moves `cache_salt` into the text: the conversation opens with it (Responses: the
@@ -89,11 +130,12 @@ pub async fn turn(ctx: &Ctx, body: &Value) -> TurnResult {
     if ctx.salt_as_text {
         salt_as_text(&mut body);
     }
+    body["model"] = json!(ctx.model);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
     let oracle_tokens = {
-        let (replicas, body) = (replicas.to_vec(), body.clone());
-        tokio::task::spawn_blocking(move || oracle(&replicas, &body))
+        let (who, replicas, body) = (ctx.oracle.clone(), replicas.to_vec(), body.clone());
+        tokio::task::spawn_blocking(move || oracle(&who, &replicas, &body))
             .await
             .unwrap_or(0)
     };
@@ -209,10 +251,9 @@ impl Session {
         }
     }
 
-    /// The request for the next turn.
+    /// The request for the next turn (the model is the context's, set when sent).
     pub fn request(&self, max_tokens: u64) -> Value {
         let mut body = self.fields.clone();
-        body["model"] = json!("emu-model");
         body["messages"] = json!(self.messages);
         body["max_tokens"] = json!(max_tokens);
         body

@@ -31,13 +31,7 @@ pub fn versions() -> Vec<String> {
                 .map(str::to_owned)
         })
         .collect();
-    versions.sort_by_key(|v| {
-        std::cmp::Reverse(
-            v.split('.')
-                .filter_map(|p| p.parse::<u32>().ok())
-                .collect::<Vec<_>>(),
-        )
-    });
+    versions.sort_by_key(|v| std::cmp::Reverse(version_key(v)));
     versions
 }
 
@@ -47,6 +41,59 @@ pub fn default_version() -> String {
         .ok()
         .or_else(|| versions().into_iter().next())
         .unwrap_or_default()
+}
+
+/// What differs between the vLLM versions kvaffine has pins for, as far as starting a
+/// replica and configuring kvaffine for it go (read from each version's source; the
+/// matrix is `docs/compat.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VersionFacts {
+    /// kvaffine's `vllm_compat`: `0.31` (tagged extra keys in the hash, vLLM >= 0.31) or
+    /// `0.30` (bare, earlier).
+    pub compat: &'static str,
+    /// Up to 0.28 `NONE_HASH` is random per process unless `PYTHONHASHSEED` is set, so
+    /// the replicas run with [`HASH_SEED`] and kvaffine is told it.
+    pub needs_hash_seed: bool,
+    /// `--enable-scale-out` (the `/render` endpoints) exists.
+    pub render_endpoints: bool,
+    /// `GET /kv_event_sources` (event discovery) exists: vLLM >= 0.31.
+    pub event_sources: bool,
+}
+
+/// The `PYTHONHASHSEED` of replicas whose version needs one (Python takes an integer).
+pub const HASH_SEED: &str = "42";
+
+fn version_key(version: &str) -> Vec<u32> {
+    version
+        .split('.')
+        .filter_map(|p| p.parse::<u32>().ok())
+        .collect()
+}
+
+/// The facts of `version`.
+pub fn facts(version: &str) -> VersionFacts {
+    let v = version_key(version);
+    let at_least = |minor: u32| v.as_slice() >= [0, minor].as_slice();
+    VersionFacts {
+        compat: if at_least(31) { "0.31" } else { "0.30" },
+        needs_hash_seed: !at_least(29),
+        // In 0.30.0's source and not in 0.24.0's (the pinned versions between were not read).
+        render_endpoints: at_least(30),
+        event_sources: at_least(31),
+    }
+}
+
+/// The filter fields and kvaffined flags that tell kvaffine how replicas of `version`
+/// hash (the extra-key encoding, the hash seed).
+pub fn kvaffine_settings(version: &str) -> (serde_json::Value, Vec<String>) {
+    let facts = facts(version);
+    let mut filter = serde_json::json!({ "vllm_compat": facts.compat });
+    let mut daemon = vec!["--vllm-compat".to_owned(), facts.compat.to_owned()];
+    if facts.needs_hash_seed {
+        filter["hash_seed"] = HASH_SEED.into();
+        daemon.extend(["--hash-seed".to_owned(), HASH_SEED.to_owned()]);
+    }
+    (filter, daemon)
 }
 
 /// How to start one replica.
@@ -86,6 +133,13 @@ impl Default for VllmSpec {
 /// 6,600-token completion on one replica took 0.16-0.17 s (three runs, real vLLM 0.32.0,
 /// AMD EPYC), about 40,000 tokens/s. The 5,000 default is a GPU's GPT-OSS-20B.
 pub const TINY_PREFILL_TOKENS_PER_SECOND: &str = "40000";
+
+/// The benchmark model's prefill rate on one core, for the ranking until kvaffined
+/// measures it: a cold 6,600-token completion took 0.59 s when the model was chosen, and
+/// the cold 6,653-token prefill `bench seed --engine vllm` measures first took 0.65 s in
+/// its committed run (real vLLM 0.32.0, AMD EPYC; `docs/benchmarks/seed-vllm/README.md`):
+/// 10,000 to 11,000 tokens/s.
+pub const BENCH_PREFILL_TOKENS_PER_SECOND: &str = "11000";
 
 /// kvaffined's flags for replicas of the tiny model: its prefill rate (at the 5,000
 /// default its booked prefill outweighs its cache, and sequential continuations get
@@ -173,6 +227,16 @@ impl VllmProcess {
         home().join(&self.spec.version)
     }
 
+    /// Its vLLM version.
+    pub fn version(&self) -> &str {
+        &self.spec.version
+    }
+
+    /// Its `--block-size`.
+    pub fn block_size(&self) -> usize {
+        self.spec.block_size
+    }
+
     fn launch(&mut self) -> anyhow::Result<()> {
         let vllm = self.venv().join("bin/vllm");
         let model = home().join("models").join(&self.spec.model);
@@ -216,7 +280,12 @@ impl VllmProcess {
             .args(["--block-size", &self.spec.block_size.to_string()])
             .args(["--enable-prefix-caching", "--prefix-caching-hash-algo"])
             .arg(&self.spec.hash_algo)
-            .args(["--enable-prompt-tokens-details", "--enable-scale-out"])
+            .arg("--enable-prompt-tokens-details")
+            .args(
+                facts(&self.spec.version)
+                    .render_endpoints
+                    .then_some("--enable-scale-out"),
+            )
             // Tools with `tool_choice: auto` (chat's default) need a parser; Qwen's format.
             .args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
             .arg("--kv-events-config")
@@ -233,6 +302,11 @@ impl VllmProcess {
             .env("VLLM_NO_USAGE_STATS", "1")
             .env("DO_NOT_TRACK", "1")
             .env_remove("PYTHONHASHSEED")
+            .envs(
+                facts(&self.spec.version)
+                    .needs_hash_seed
+                    .then_some(("PYTHONHASHSEED", HASH_SEED)),
+            )
             // Its own process group: `vllm serve` runs the engine in a child process that
             // outlives a killed parent, so the whole group is killed.
             .process_group(0)
@@ -342,4 +416,65 @@ fn tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// `tests/vllm/oracle.py` in the replicas' venv: what each replica holds, rebuilt from
+/// its own KV events decoded with vLLM's own classes (the benchmarks' oracle on real
+/// vLLM, which must not come from kvaffine). Killed on drop.
+pub struct OracleProcess {
+    child: Child,
+    /// `HOST:PORT` of its HTTP server.
+    pub addr: String,
+}
+
+impl OracleProcess {
+    /// Starts it on `replicas` (one version, one block size) and waits until it has
+    /// replayed each of them.
+    pub fn start(replicas: &[VllmProcess]) -> anyhow::Result<Self> {
+        let first = replicas.first().context("an oracle needs replicas")?;
+        let port = free_port()?;
+        let mut command = Command::new(first.venv().join("bin/python"));
+        command
+            .arg(root().join("tests/vllm/oracle.py"))
+            .args(["--port", &port.to_string()])
+            .args(["--block-size", &first.spec.block_size.to_string()]);
+        for replica in replicas {
+            command.arg("--replica").arg(format!(
+                "{}={},{}",
+                replica.http, replica.events, replica.replay
+            ));
+        }
+        let log = std::env::temp_dir().join(format!("kvaffine-oracle-{port}.log"));
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("cannot start the vLLM oracle")?;
+        let mut oracle = Self {
+            child,
+            addr: format!("127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http(&oracle.addr, "GET", "/ready", "").0 != 200 {
+            if let Ok(Some(status)) = oracle.child.try_wait() {
+                bail!("the vLLM oracle exited ({status}): see {}", log.display());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the vLLM oracle did not replay the replicas within 60 s: see {}",
+                    log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(oracle)
+    }
+}
+
+impl Drop for OracleProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -31,17 +31,23 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or("emu", String::as_str),
         ),
         Some("load") => load(),
+        Some("scenarios") if args.get(2).is_some_and(|a| a == "vllm") => {
+            scenarios_vllm(args.get(1).context("usage: bench scenarios OUT_DIR vllm")?)
+        }
         Some("scenarios") => scenarios(
             args.get(1).context("usage: bench scenarios OUT_DIR")?,
             args.get(2),
         ),
         Some("ingest") => ingest(),
+        Some("peers") if args.get(2).is_some_and(|a| a == "vllm") => {
+            peers_vllm(args.get(1).context("usage: bench peers OUT_DIR vllm")?)
+        }
         Some("peers") => peers(
             args.get(1).context("usage: bench peers OUT_DIR [PAIRS]")?,
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen] | load | ingest | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME] | peers OUT_DIR [PAIRS]"
+            "usage: bench filter [hash|qwen] | load | ingest | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -281,13 +287,18 @@ fn callout_row(
 /// `bench peers OUT_DIR [PAIRS]`: kvaffine and the peer routers side by side.
 fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
     use kvaffine_e2e::peers::{self, ARMS};
+    use kvaffine_e2e::scenarios::Engine;
     let mut runs = Vec::new();
     for (w, workload) in peers::workloads().iter().enumerate() {
         // Rotate the order per workload so no router always runs first or last.
         for k in 0..ARMS.len() {
             let arm = ARMS[(k + w) % ARMS.len()];
             eprintln!("{} under {} ...", workload.name, arm.name);
-            runs.push((workload.name, arm.name, peers::run_workload(workload, arm)?));
+            runs.push((
+                workload.name,
+                arm.name,
+                peers::run_workload(&mut Engine::emu(), workload, arm)?,
+            ));
         }
     }
     // Tables list the routers in one order whatever order they ran in.
@@ -583,7 +594,7 @@ fn ingest() -> anyhow::Result<()> {
 
 /// `bench scenarios OUT_DIR [NAME]`: every scenario (or one) under every profile.
 fn scenarios(out: &str, only: Option<&String>) -> anyhow::Result<()> {
-    use kvaffine_e2e::scenarios::{self, PROFILES, Profile, Run};
+    use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Profile, Run};
     let out = std::path::Path::new(out);
     std::fs::create_dir_all(out)?;
     let started = std::time::Instant::now();
@@ -609,7 +620,13 @@ fn scenarios(out: &str, only: Option<&String>) -> anyhow::Result<()> {
                         format!(", booking off, lag {lag} ms"),
                     ),
                 ] {
-                    runs.push(scenarios::run(&lagged, profile, &variant, 1)?);
+                    runs.push(scenarios::run(
+                        &mut Engine::emu(),
+                        &lagged,
+                        profile,
+                        &variant,
+                        1,
+                    )?);
                 }
             }
             continue;
@@ -620,36 +637,16 @@ fn scenarios(out: &str, only: Option<&String>) -> anyhow::Result<()> {
             1
         };
         for profile in PROFILES {
-            runs.push(scenarios::run(&scenario, profile, "", daemons)?);
+            runs.push(scenarios::run(
+                &mut Engine::emu(),
+                &scenario,
+                profile,
+                "",
+                daemons,
+            )?);
         }
     }
-    let mut md = String::new();
-    writeln!(
-        md,
-        "| scenario | profile | requests | failed | KV hit | oracle | TTFT p50 | TTFT p99 | throughput | imbalance |"
-    )?;
-    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|")?;
-    let mut json_runs = Vec::new();
-    for run in &runs {
-        let f = run.figures();
-        writeln!(
-            md,
-            "| {} | {} | {} | {} | {:.1}% | {:.1}% | {:.0} ms | {:.0} ms | {:.1} req/s | {:.2} |",
-            run.scenario,
-            run.profile,
-            f.requests,
-            f.failed,
-            f.hit_pct,
-            f.oracle_pct,
-            f.ttft_p50_ms,
-            f.ttft_p99_ms,
-            f.throughput,
-            f.imbalance
-        )?;
-        json_runs.push(json!({"scenario": run.scenario, "profile": run.profile, "requests": f.requests,
-            "failed": f.failed, "hit_pct": f.hit_pct, "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
-            "ttft_p99_ms": f.ttft_p99_ms, "throughput_rps": f.throughput, "imbalance": f.imbalance}));
-    }
+    let (md, json_runs) = scenario_table(&runs)?;
     for scenario in scenarios::all() {
         let rows: Vec<(String, f64, f64)> = runs
             .iter()
@@ -679,5 +676,187 @@ fn scenarios(out: &str, only: Option<&String>) -> anyhow::Result<()> {
     )?;
     println!("{md}");
     eprintln!("all scenarios in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The scenarios' table (markdown) and their figures (JSON).
+fn scenario_table(
+    runs: &[kvaffine_e2e::scenarios::Run],
+) -> anyhow::Result<(String, Vec<serde_json::Value>)> {
+    let mut md = String::new();
+    writeln!(
+        md,
+        "| scenario | profile | requests | failed | KV hit | oracle | TTFT p50 | TTFT p99 | throughput | imbalance |"
+    )?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|")?;
+    let mut json_runs = Vec::new();
+    for run in runs {
+        let f = run.figures();
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.1}% | {:.1}% | {:.0} ms | {:.0} ms | {:.1} req/s | {:.2} |",
+            run.scenario,
+            run.profile,
+            f.requests,
+            f.failed,
+            f.hit_pct,
+            f.oracle_pct,
+            f.ttft_p50_ms,
+            f.ttft_p99_ms,
+            f.throughput,
+            f.imbalance
+        )?;
+        json_runs.push(json!({"scenario": run.scenario, "profile": run.profile, "requests": f.requests,
+            "failed": f.failed, "hit_pct": f.hit_pct, "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
+            "ttft_p99_ms": f.ttft_p99_ms, "throughput_rps": f.throughput, "imbalance": f.imbalance}));
+    }
+    Ok((md, json_runs))
+}
+
+/// `bench scenarios OUT_DIR vllm`: the scenarios that fit two cores on two real vLLM
+/// replicas of the benchmark model (32-token blocks), then on two emulated replicas at the
+/// same shapes, side by side. Not here: event-lag (vLLM's event lag cannot be set) and
+/// replica-restart (a real replica takes ~30 s to come back, longer than the workload).
+fn scenarios_vllm(out: &str) -> anyhow::Result<()> {
+    use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Run};
+    use kvaffine_e2e::vllm::{BENCH_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
+    const BLOCK: usize = 32;
+    let out = std::path::Path::new(out);
+    std::fs::create_dir_all(out)?;
+    let started = std::time::Instant::now();
+    let chosen: Vec<scenarios::Scenario> = scenarios::all()
+        .into_iter()
+        .filter(|s| !matches!(s.name, "event-lag" | "replica-restart"))
+        .map(|s| scenarios::Scenario { replicas: 2, ..s })
+        .collect();
+    let (mut real, mut emulated): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
+    for scenario in &chosen {
+        let daemons = if scenario.name == "daemon-failover" {
+            2
+        } else {
+            1
+        };
+        eprintln!("scenario {} on real vLLM ...", scenario.name);
+        let mut spec = VllmSpec {
+            model: "bench".to_owned(),
+            block_size: BLOCK,
+            max_model_len: 16_384,
+            ..VllmSpec::default()
+        };
+        if let Some(tokens) = scenario.kv_tokens {
+            let blocks = tokens / BLOCK;
+            spec.extra_args = vec!["--num-gpu-blocks-override".into(), blocks.to_string()];
+            // vLLM refuses a model length its cache cannot hold (less one reserved block).
+            spec.max_model_len = (blocks - 2) * BLOCK;
+        }
+        let mut engine = Engine::Vllm {
+            replicas: VllmProcess::start_all(&[spec.clone(), spec])?,
+            prefill_tokens_per_second: BENCH_PREFILL_TOKENS_PER_SECOND.to_owned(),
+        };
+        for profile in PROFILES {
+            real.push(scenarios::run(&mut engine, scenario, profile, "", daemons)?);
+        }
+        drop(engine);
+        eprintln!("scenario {} on vllm-emu ...", scenario.name);
+        for profile in PROFILES {
+            emulated.push(scenarios::run(
+                &mut Engine::Emu { block_size: BLOCK },
+                scenario,
+                profile,
+                "",
+                daemons,
+            )?);
+        }
+    }
+    let (real_md, real_json) = scenario_table(&real)?;
+    let (emu_md, emu_json) = scenario_table(&emulated)?;
+    // Requests vLLM served more of than the oracle said when asked, per scenario.
+    let below = |runs: &[&Run]| -> (usize, usize) {
+        let turns: Vec<_> = runs
+            .iter()
+            .flat_map(|r| &r.turns)
+            .filter(|t| t.ok)
+            .collect();
+        let below = turns
+            .iter()
+            .filter(|t| t.cached_tokens > t.oracle_tokens)
+            .count();
+        (below, turns.len())
+    };
+    let per_scenario: Vec<String> = chosen
+        .iter()
+        .map(|scenario| {
+            let runs: Vec<&Run> = real
+                .iter()
+                .filter(|r| r.scenario == scenario.name)
+                .collect();
+            let (below, of) = below(&runs);
+            format!("{} {below} of {of}", scenario.name)
+        })
+        .collect();
+    let (missed, requests) = below(&real.iter().collect::<Vec<_>>());
+    std::fs::write(
+        out.join("scenarios.json"),
+        serde_json::to_string_pretty(
+            &json!({"vllm": real_json, "emu": emu_json, "oracle_below_served": missed}),
+        )? + "\n",
+    )?;
+    println!("## real vLLM\n\n{real_md}\n## vllm-emu, same shapes\n\n{emu_md}");
+    println!(
+        "Requests vLLM served more of than the oracle said when asked: {missed} of {requests} ({}).",
+        per_scenario.join(", ")
+    );
+    eprintln!("in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// `bench peers OUT_DIR vllm`: the peers' workloads on two real vLLM replicas of the
+/// benchmark model (32-token blocks), started once per workload and reset before every
+/// router's run.
+fn peers_vllm(out: &str) -> anyhow::Result<()> {
+    use kvaffine_e2e::peers::{self, ARMS};
+    use kvaffine_e2e::scenarios::{Engine, Scenario};
+    use kvaffine_e2e::vllm::{BENCH_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
+    let spec = VllmSpec {
+        model: "bench".to_owned(),
+        block_size: 32,
+        max_model_len: 16_384,
+        ..VllmSpec::default()
+    };
+    let mut runs = Vec::new();
+    for (w, workload) in peers::workloads().into_iter().enumerate() {
+        let workload = Scenario {
+            replicas: 2,
+            ..workload
+        };
+        let mut engine = Engine::Vllm {
+            replicas: VllmProcess::start_all(&[spec.clone(), spec.clone()])?,
+            prefill_tokens_per_second: BENCH_PREFILL_TOKENS_PER_SECOND.to_owned(),
+        };
+        // Rotate the order per workload so no router always runs first or last.
+        for k in 0..ARMS.len() {
+            let arm = ARMS[(k + w) % ARMS.len()];
+            eprintln!("{} under {} on real vLLM ...", workload.name, arm.name);
+            runs.push((
+                workload.name,
+                arm.name,
+                peers::run_workload(&mut engine, &workload, arm)?,
+            ));
+        }
+    }
+    runs.sort_by_key(|(w, a, _)| {
+        let arm = ARMS.iter().position(|x| x.name == *a).unwrap_or(usize::MAX);
+        (*w, arm)
+    });
+    let runs: Vec<_> = runs.into_iter().map(|(_, _, run)| run).collect();
+    let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
+    let md = peers::write_vllm(
+        std::path::Path::new(out),
+        &runs,
+        "cargo xtask bench peers --engine vllm",
+        &machine,
+        &spec.version,
+    )?;
+    println!("{md}");
     Ok(())
 }

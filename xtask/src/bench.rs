@@ -309,7 +309,12 @@ fn stack_bench(args: &[&str]) -> anyhow::Result<String> {
 }
 
 /// Latency and CPU the filter adds in Envoy -> `docs/benchmarks/filter.md`.
-pub fn filter() -> anyhow::Result<()> {
+pub fn filter(args: &[&str]) -> anyhow::Result<()> {
+    match args {
+        [] | ["--engine", "emu"] => {}
+        ["--engine", "vllm"] => return filter_vllm(),
+        _ => anyhow::bail!("usage: cargo xtask bench filter [--engine emu|vllm]"),
+    }
     let instant = stack_bench(&["filter", "hash"])?;
     let bpe = stack_bench(&["filter", "qwen"])?;
     let mut md = String::new();
@@ -335,6 +340,21 @@ pub fn filter() -> anyhow::Result<()> {
     md.push_str("\n\n");
     md.push_str(include_str!("bench_filter_notes.md"));
     write(&sh::root().join("docs/benchmarks/filter.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+/// The same table with two real vLLM replicas of the tests' model behind the filter ->
+/// `docs/benchmarks/filter-vllm.md`.
+fn filter_vllm() -> anyhow::Result<()> {
+    crate::vllm::ensure_newest()?;
+    let table = stack_bench(&["filter", "vllm"])?;
+    let md = include_str!("bench_filter_vllm.md")
+        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
+        .replace("{{VERSION}}", &crate::vllm::newest()?)
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{TABLE}}", &table);
+    write(&sh::root().join("docs/benchmarks/filter-vllm.md"), &md)?;
     println!("{md}");
     Ok(())
 }

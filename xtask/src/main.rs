@@ -29,7 +29,9 @@ commands:
   docs          regenerate the reference pages, build the book into target/book
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
-  bench filter  latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
+  bench filter [--engine emu|vllm]
+                latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
+                (real vLLM replicas and their /tokenize: docs/benchmarks/filter-vllm.md)
   bench seed [--engine emu|vllm]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
                 (real vLLM: docs/benchmarks/seed-vllm/)
@@ -66,7 +68,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["docs"] => docs::build(),
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
-        ["bench", "filter"] => bench::filter(),
+        ["bench", "filter", rest @ ..] => bench::filter(rest),
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
         ["bench", "peers", rest @ ..] => bench::peers(rest),

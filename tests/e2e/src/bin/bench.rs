@@ -47,7 +47,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen] | load | ingest | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | load | ingest | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -101,8 +101,48 @@ fn tokenizer_args(tokenizer: &str) -> anyhow::Result<Vec<String>> {
     })
 }
 
+/// Two real vLLM replicas of the tests' tiny model (64-token blocks) behind the stack: the
+/// routing path with vLLM's own `/tokenize`.
+fn real_stack() -> anyhow::Result<(Stack, Vec<kvaffine_e2e::vllm::VllmProcess>)> {
+    use kvaffine_e2e::vllm::{VllmProcess, VllmSpec, kvaffine_settings, tiny_daemon_args};
+    let spec = VllmSpec {
+        block_size: 64,
+        ..VllmSpec::default()
+    };
+    let replicas = VllmProcess::start_all(&[spec.clone(), spec.clone()])?;
+    let (filter, version_args) = kvaffine_settings(&spec.version);
+    let stack = Stack::front(
+        StackConfig {
+            block_size: 64,
+            filter,
+            daemon_args: [tiny_daemon_args(), version_args].concat(),
+            ..StackConfig::default()
+        },
+        replicas
+            .iter()
+            .map(|r| kvaffine_e2e::Upstream::with_events(r.endpoint_flag()))
+            .collect(),
+    )?;
+    Ok((stack, replicas))
+}
+
+/// `bench filter hash|qwen|vllm`: the emulator's instant or BPE tokenizer, or real vLLM.
 fn filter(tokenizer: &str) -> anyhow::Result<()> {
-    let stack = instant_stack(tokenizer_args(tokenizer)?)?;
+    let (stack, _real, model, sizes, tokenizer_name) = if tokenizer == "vllm" {
+        let (stack, real) = real_stack()?;
+        // The tiny model takes 40,960 tokens: the 220 KB prompt does not fit.
+        let sizes = vec![(2 * 1024, 10), (32 * 1024, 8)];
+        (stack, real, kvaffine_e2e::vllm::SERVED_MODEL, sizes, "real vLLM `/tokenize`")
+    } else {
+        let sizes = vec![(2 * 1024, 10), (32 * 1024, 8), (220 * 1024, 4)];
+        let stack = instant_stack(tokenizer_args(tokenizer)?)?;
+        (stack, Vec::new(), "emu-model", sizes, "vllm-emu `/tokenize`")
+    };
+    let prose_body = |bytes: usize, salt: &str| {
+        let mut body = prose_body(bytes, salt);
+        body["model"] = json!(model);
+        body
+    };
     let pid = stack.envoy_pid().context("no Envoy")?;
     let runtime = kvaffine_e2e::load::runtime()?;
     let client = kvaffine_e2e::load::client()?;
@@ -140,8 +180,7 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
         "| prompt | concurrency | path | requests | p50 | p99 | added p50 | added p99 | Envoy CPU per request | added CPU | failed |"
     )?;
     writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|")?;
-    let sizes = [(2 * 1024, 10), (32 * 1024, 8), (220 * 1024, 4)];
-    for (bytes, rounds) in sizes {
+    for &(bytes, rounds) in &sizes {
         let label = format!(
             "{} KB ({} tokens)",
             bytes / 1024,
@@ -212,24 +251,21 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
         out,
         "\n| callout, measured directly | size | p50 | p99 | p50 per token |\n|---|---|---|---|---|"
     )?;
-    for (label, bytes) in [
-        ("2 KB", 2 * 1024),
-        ("32 KB", 32 * 1024),
-        ("220 KB", 220 * 1024),
-    ] {
+    let tokenizer_addr = stack.upstreams.first().context("no replica")?.http.clone();
+    for &(bytes, _) in &sizes {
+        let label = format!("{} KB", bytes / 1024);
         let body = prose_body(bytes, "t").to_string();
-        let (_, answer) =
-            vllm_emu::harness::http(&stack.replicas[0].http, "POST", "/tokenize", &body);
+        let (_, answer) = vllm_emu::harness::http(&tokenizer_addr, "POST", "/tokenize", &body);
         let tokens = serde_json::from_str::<serde_json::Value>(&answer)?["count"]
             .as_u64()
             .context("no token count from /tokenize")?;
-        let url = format!("http://{}/tokenize", stack.replicas[0].http);
+        let url = format!("http://{tokenizer_addr}/tokenize");
         let latencies = runtime
             .block_on(closed_loop(&client, &url, same(body.into_bytes()), 200, 1))
             .0;
         callout_row(
             &mut out,
-            "vllm-emu `/tokenize`",
+            tokenizer_name,
             &format!("{label} prompt, {tokens} tokens"),
             &latencies,
             Some(tokens),
@@ -254,8 +290,10 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
 
 /// Tokens of a chat body, as the replicas' `/tokenize` counts them.
 fn prompt_tokens(stack: &Stack, body: &serde_json::Value) -> anyhow::Result<u64> {
-    let (_, answer) = stack.replicas[0].post("/tokenize", body);
-    answer["count"]
+    let replica = stack.upstreams.first().context("no replica")?;
+    let (_, answer) =
+        vllm_emu::harness::http(&replica.http, "POST", "/tokenize", &body.to_string());
+    serde_json::from_str::<serde_json::Value>(&answer)?["count"]
         .as_u64()
         .context("no token count from /tokenize")
 }

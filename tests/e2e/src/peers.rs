@@ -265,6 +265,26 @@ pub fn run_workload(
     })
 }
 
+/// Every workload under every arm, each workload on the engine `engine_for` gives it (real
+/// replicas start once per workload), the arms' order rotated per workload so no router
+/// always runs first or last; the runs listed workload by workload in [`ARMS`] order.
+pub fn run_all(
+    workloads: Vec<Scenario>,
+    mut engine_for: impl FnMut(&Scenario) -> anyhow::Result<scenarios::Engine>,
+) -> anyhow::Result<Vec<Run>> {
+    let mut runs = Vec::new();
+    for (w, workload) in workloads.iter().enumerate() {
+        let mut engine = engine_for(workload)?;
+        for k in 0..ARMS.len() {
+            let arm = ARMS[(k + w) % ARMS.len()];
+            eprintln!("{} under {} ...", workload.name, arm.name);
+            runs.push((w, k, run_workload(&mut engine, workload, arm)?));
+        }
+    }
+    runs.sort_by_key(|(w, k, _)| (*w, (k + w) % ARMS.len()));
+    Ok(runs.into_iter().map(|(_, _, run)| run).collect())
+}
+
 /// The two-turn reference measurement under every arm, pair by pair in turn.
 pub struct SeedPair {
     /// Arm name.

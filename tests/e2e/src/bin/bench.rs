@@ -132,11 +132,23 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
         let (stack, real) = real_stack()?;
         // The tiny model takes 40,960 tokens: the 220 KB prompt does not fit.
         let sizes = vec![(2 * 1024, 10), (32 * 1024, 8)];
-        (stack, real, kvaffine_e2e::vllm::SERVED_MODEL, sizes, "real vLLM `/tokenize`")
+        (
+            stack,
+            real,
+            kvaffine_e2e::vllm::SERVED_MODEL,
+            sizes,
+            "real vLLM `/tokenize`",
+        )
     } else {
         let sizes = vec![(2 * 1024, 10), (32 * 1024, 8), (220 * 1024, 4)];
         let stack = instant_stack(tokenizer_args(tokenizer)?)?;
-        (stack, Vec::new(), "emu-model", sizes, "vllm-emu `/tokenize`")
+        (
+            stack,
+            Vec::new(),
+            "emu-model",
+            sizes,
+            "vllm-emu `/tokenize`",
+        )
     };
     let prose_body = |bytes: usize, salt: &str| {
         let mut body = prose_body(bytes, salt);
@@ -324,27 +336,9 @@ fn callout_row(
 
 /// `bench peers OUT_DIR [PAIRS]`: kvaffine and the peer routers side by side.
 fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
-    use kvaffine_e2e::peers::{self, ARMS};
+    use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::Engine;
-    let mut runs = Vec::new();
-    for (w, workload) in peers::workloads().iter().enumerate() {
-        // Rotate the order per workload so no router always runs first or last.
-        for k in 0..ARMS.len() {
-            let arm = ARMS[(k + w) % ARMS.len()];
-            eprintln!("{} under {} ...", workload.name, arm.name);
-            runs.push((
-                workload.name,
-                arm.name,
-                peers::run_workload(&mut Engine::emu(), workload, arm)?,
-            ));
-        }
-    }
-    // Tables list the routers in one order whatever order they ran in.
-    runs.sort_by_key(|(w, a, _)| {
-        let arm = ARMS.iter().position(|x| x.name == *a).unwrap_or(usize::MAX);
-        (*w, arm)
-    });
-    let runs: Vec<_> = runs.into_iter().map(|(_, _, run)| run).collect();
+    let runs = peers::run_all(peers::workloads(), |_| Ok(Engine::emu()))?;
     eprintln!("two-turn reference, {pairs} pairs per router ...");
     let seed = peers::seed(pairs)?;
     eprintln!("added latency and CPU ...");
@@ -852,7 +846,7 @@ fn scenarios_vllm(out: &str) -> anyhow::Result<()> {
 /// benchmark model (32-token blocks), started once per workload and reset before every
 /// router's run.
 fn peers_vllm(out: &str) -> anyhow::Result<()> {
-    use kvaffine_e2e::peers::{self, ARMS};
+    use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::{Engine, Scenario};
     use kvaffine_e2e::vllm::{BENCH_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
     let spec = VllmSpec {
@@ -861,32 +855,19 @@ fn peers_vllm(out: &str) -> anyhow::Result<()> {
         max_model_len: 16_384,
         ..VllmSpec::default()
     };
-    let mut runs = Vec::new();
-    for (w, workload) in peers::workloads().into_iter().enumerate() {
-        let workload = Scenario {
+    let workloads = peers::workloads()
+        .into_iter()
+        .map(|workload| Scenario {
             replicas: 2,
             ..workload
-        };
-        let mut engine = Engine::Vllm {
+        })
+        .collect();
+    let runs = peers::run_all(workloads, |_| {
+        Ok(Engine::Vllm {
             replicas: VllmProcess::start_all(&[spec.clone(), spec.clone()])?,
             prefill_tokens_per_second: BENCH_PREFILL_TOKENS_PER_SECOND.to_owned(),
-        };
-        // Rotate the order per workload so no router always runs first or last.
-        for k in 0..ARMS.len() {
-            let arm = ARMS[(k + w) % ARMS.len()];
-            eprintln!("{} under {} on real vLLM ...", workload.name, arm.name);
-            runs.push((
-                workload.name,
-                arm.name,
-                peers::run_workload(&mut engine, &workload, arm)?,
-            ));
-        }
-    }
-    runs.sort_by_key(|(w, a, _)| {
-        let arm = ARMS.iter().position(|x| x.name == *a).unwrap_or(usize::MAX);
-        (*w, arm)
-    });
-    let runs: Vec<_> = runs.into_iter().map(|(_, _, run)| run).collect();
+        })
+    })?;
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
     let md = peers::write_vllm(
         std::path::Path::new(out),

@@ -67,15 +67,23 @@ impl RootContext for Root {
                 return false;
             }
         };
+        // The digest cache's fingerprint key must be unknown to clients (who could
+        // otherwise craft a block whose fingerprint collides with another's): it comes from
+        // the host's random source (WASI `random_get`), never from the clock.
+        let secret = match getrandom::u64() {
+            Ok(secret) => secret,
+            Err(err) => {
+                log(
+                    LogLevel::Error,
+                    &format!("kvaffine: the host's random source (WASI random_get) failed: {err}"),
+                );
+                return false;
+            }
+        };
         match Router::from_json(&bytes) {
             Ok(router) => {
                 self.router = Some(Rc::new(router));
                 self.stats = Some(Rc::new(Stats::define()));
-                // The fingerprint key only has to be unknown to clients; the VM's start
-                // time in nanoseconds is.
-                let secret = now()
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64);
                 self.digests = Some(Rc::new(RefCell::new(DigestCache::new(
                     DIGEST_CACHE_BLOCKS,
                     secret,

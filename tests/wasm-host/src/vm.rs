@@ -129,6 +129,16 @@ struct HostState {
     metrics: Vec<Metric>,
     logs: std::collections::VecDeque<String>,
     random: u64,
+    random_source: RandomSource,
+}
+
+/// What WASI `random_get` does in this host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RandomSource {
+    /// Answers random bytes.
+    Working,
+    /// Fails every call with `EIO`, as a host without entropy would.
+    Broken,
 }
 
 /// Log lines kept for tests and failures; older ones are dropped.
@@ -179,6 +189,16 @@ impl Vm {
     /// Loads `wasm`, starts the VM and configures the plugin as Kong does (filter name =
     /// root id, configuration bytes passed raw). Fails if `on_configure` rejects them.
     pub fn load(wasm: &Path, plugin_name: &str, configuration: &[u8]) -> anyhow::Result<Self> {
+        Self::load_with(wasm, plugin_name, configuration, RandomSource::Working)
+    }
+
+    /// [`Vm::load`] with WASI's random source as `random_source` says.
+    pub fn load_with(
+        wasm: &Path,
+        plugin_name: &str,
+        configuration: &[u8],
+        random_source: RandomSource,
+    ) -> anyhow::Result<Self> {
         let engine = Engine::default();
         let module = Module::from_file(&engine, wasm)
             .map_err(anyhow::Error::from)
@@ -201,6 +221,7 @@ impl Vm {
             metrics: Vec::new(),
             logs: std::collections::VecDeque::new(),
             random: seed,
+            random_source,
         };
         let mut store = Store::new(&engine, state);
         let instance = linker.instantiate(&mut store, &module)?;
@@ -622,6 +643,10 @@ fn define_wasi(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
         WASI,
         "random_get",
         |mut caller: Caller<'_, HostState>, ptr: i32, len: i32| -> wasmtime::Result<i32> {
+            // WASI errno 29: EIO.
+            if caller.data().random_source == RandomSource::Broken {
+                return Ok(29);
+            }
             let mut bytes = Vec::with_capacity(len as u32 as usize);
             while bytes.len() < len as u32 as usize {
                 let state = caller.data_mut();

@@ -75,6 +75,10 @@ pub struct FilterConfig {
     /// `:authority` of lookups (default: the cluster name).
     #[serde(default)]
     pub index_authority: Option<String>,
+    /// Bearer token sent with every lookup, for a kvaffined started with
+    /// `--auth-token-file` (default: none).
+    #[serde(default)]
+    pub index_token: Option<String>,
     /// vLLM's `--block-size`.
     pub block_size: usize,
     /// vLLM's `--prefix-caching-hash-algo`.

@@ -32,6 +32,11 @@ pub struct ServeArgs {
     /// A JSON file of endpoints, re-read when it changes (see docs/daemon.md).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Bearer tokens the lookup API requires, one per line, re-read when the file changes
+    /// (several at once, for rotation); `/healthz`, `/readyz` and `/metrics` stay open.
+    /// Unset: no authentication.
+    #[arg(long)]
+    pub auth_token_file: Option<PathBuf>,
     /// `HOST:PORT=EVENTS_URL[,REPLAY_URL]`: a replica's HTTP address (what the gateway pins
     /// to) and its ZMQ PUB and replay (ROUTER) endpoints. Repeatable.
     #[arg(long = "endpoint", value_parser = parse_endpoint)]

@@ -26,6 +26,9 @@ pub enum ApiError {
     /// The body could not be read.
     #[error("cannot read the request body: {0}")]
     Body(String),
+    /// No bearer token, or not one of `--auth-token-file`'s.
+    #[error("a bearer token of --auth-token-file is required")]
+    Unauthorized,
 }
 
 impl IntoResponse for ApiError {
@@ -34,8 +37,13 @@ impl IntoResponse for ApiError {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Body(_) => StatusCode::BAD_REQUEST,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
         };
-        (status, axum::Json(json!({ "error": self.to_string() }))).into_response()
+        let body = axum::Json(json!({ "error": self.to_string() }));
+        if status == StatusCode::UNAUTHORIZED {
+            return (status, [(header::WWW_AUTHENTICATE, "Bearer")], body).into_response();
+        }
+        (status, body).into_response()
     }
 }
 
@@ -43,14 +51,42 @@ impl IntoResponse for ApiError {
 pub fn router(daemon: Arc<Daemon>) -> Router {
     // A u64 in JSON is at most 20 digits and a comma.
     let body_limit = daemon.settings.max_keys.saturating_mul(21) + 64 * 1024;
-    Router::new()
+    let api = Router::new()
         .route("/v1/lookup", post(lookup))
         .route("/v1/endpoints", get(endpoints))
+        .route_layer(axum::middleware::from_fn_with_state(
+            daemon.clone(),
+            authorize,
+        ));
+    Router::new()
+        .merge(api)
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(daemon)
+}
+
+/// Lets a `/v1` request through when no tokens are configured or it carries one.
+async fn authorize(
+    State(daemon): State<Arc<Daemon>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let allowed = daemon.auth.as_ref().is_none_or(|tokens| {
+        tokens.allows(
+            request
+                .headers()
+                .get(header::AUTHORIZATION)
+                .map(|v| v.as_bytes()),
+        )
+    });
+    if allowed {
+        next.run(request).await
+    } else {
+        daemon.metrics.unauthorized.inc();
+        ApiError::Unauthorized.into_response()
+    }
 }
 
 async fn lookup(

@@ -4,6 +4,7 @@
 //! The binary (`src/main.rs`) is a thin command line over these modules; they are a
 //! library so benchmarks and tests can drive the index and API in-process.
 
+pub mod auth;
 pub mod bookings;
 pub mod check_cmd;
 pub mod config;

@@ -21,7 +21,7 @@ enum Command {
     /// hashes in a replica's KV events.
     Keys(keys_cmd::KeysArgs),
     /// Follow replicas' KV events and answer lookups.
-    Serve(config::ServeArgs),
+    Serve(Box<config::ServeArgs>),
     /// Check one vLLM replica's settings: can kvaffine compute its keys?
     Check(check_cmd::CheckArgs),
 }
@@ -52,7 +52,7 @@ fn main() -> ExitCode {
             keys_cmd::run(&args, std::io::stdin().lock(), std::io::stdout().lock()),
             EXIT_BAD_INPUT,
         ),
-        Command::Serve(args) => (serve(args), EXIT_FAILURE),
+        Command::Serve(args) => (serve(*args), EXIT_FAILURE),
         Command::Check(args) => (check_cmd::run(&args), EXIT_BAD_INPUT),
     };
     match result {

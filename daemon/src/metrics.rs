@@ -65,6 +65,8 @@ pub struct Metrics {
     pub misconfigured: Family<EndpointLabel, Gauge>,
     /// 1 while the endpoint's index is known to be incomplete.
     pub incomplete: Family<EndpointLabel, Gauge>,
+    /// API requests refused for a missing or wrong bearer token.
+    pub unauthorized: Counter,
 }
 
 impl Default for Metrics {
@@ -85,6 +87,7 @@ impl Default for Metrics {
         let alignment = Family::<ModeLabel, Gauge>::default();
         let misconfigured = Family::<EndpointLabel, Gauge>::default();
         let incomplete = Family::<EndpointLabel, Gauge>::default();
+        let unauthorized = Counter::default();
         registry.register(
             "events_applied",
             "KV events applied to the index",
@@ -151,6 +154,11 @@ impl Default for Metrics {
             "1 while the endpoint's index is known to be incomplete",
             incomplete.clone(),
         );
+        registry.register(
+            "unauthorized_requests",
+            "API requests refused for a missing or wrong bearer token (--auth-token-file)",
+            unauthorized.clone(),
+        );
         Self {
             registry,
             events_applied,
@@ -167,6 +175,7 @@ impl Default for Metrics {
             alignment,
             misconfigured,
             incomplete,
+            unauthorized,
         }
     }
 }

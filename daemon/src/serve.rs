@@ -44,7 +44,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     for name in &args.discover_dns {
         sources.push(Box::new(DnsReplicas::new(name, event_sources.clone())?));
     }
-    let daemon = Arc::new(Daemon::new(settings));
+    let auth = args
+        .auth_token_file
+        .as_deref()
+        .map(crate::auth::ApiTokens::load)
+        .transpose()?;
+    let daemon = Arc::new(Daemon::with_auth(settings, auth));
     let fleet = Fleet {
         daemon: daemon.clone(),
         client,

@@ -33,6 +33,8 @@ pub struct Daemon {
     pub zmq: zmq::Context,
     /// Lookups answered: which replica breaks a tie next.
     pub lookups: std::sync::atomic::AtomicUsize,
+    /// The tokens the API requires, when `--auth-token-file` is given.
+    pub auth: Option<crate::auth::ApiTokens>,
 }
 
 /// One followed replica.
@@ -186,8 +188,13 @@ impl EndpointMatch {
 }
 
 impl Daemon {
-    /// Fresh state for `settings`.
+    /// Fresh state for `settings`, its API open to all.
     pub fn new(settings: Settings) -> Self {
+        Self::with_auth(settings, None)
+    }
+
+    /// Fresh state for `settings`, its API requiring one of `auth`'s tokens.
+    pub fn with_auth(settings: Settings, auth: Option<crate::auth::ApiTokens>) -> Self {
         let index = PrefixIndex::new(settings.max_entries);
         let history = History::new(settings.max_entries.min(10_000_000));
         let bookings = Bookings::new(settings.prefill_tokens_per_second);
@@ -200,6 +207,7 @@ impl Daemon {
             metrics: Metrics::default(),
             zmq: zmq::Context::new(),
             lookups: std::sync::atomic::AtomicUsize::new(0),
+            auth,
         }
     }
 

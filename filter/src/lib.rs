@@ -244,13 +244,24 @@ impl Request {
         }
     }
 
-    fn callout(&self, cluster: &str, authority: &str, path: &str, body: &[u8]) -> Option<u32> {
-        let headers = vec![
+    fn callout(
+        &self,
+        cluster: &str,
+        authority: &str,
+        path: &str,
+        body: &[u8],
+        bearer: Option<&str>,
+    ) -> Option<u32> {
+        let authorization = bearer.map(|token| format!("Bearer {token}"));
+        let mut headers = vec![
             (":method", "POST"),
             (":path", path),
             (":authority", authority),
             ("content-type", "application/json"),
         ];
+        if let Some(authorization) = &authorization {
+            headers.push(("authorization", authorization));
+        }
         let timeout = Duration::from_millis(self.config().timeout_ms);
         hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).ok()
     }
@@ -263,7 +274,13 @@ impl Request {
             .index_authority
             .clone()
             .unwrap_or_else(|| config.index_cluster.clone());
-        match self.callout(&config.index_cluster, &authority, "/v1/lookup", &body) {
+        match self.callout(
+            &config.index_cluster,
+            &authority,
+            "/v1/lookup",
+            &body,
+            config.index_token.as_deref(),
+        ) {
             Some(token) => {
                 self.phase = Phase::LookingUp {
                     token,
@@ -297,7 +314,7 @@ impl Request {
                     .tokenizer_authority
                     .clone()
                     .unwrap_or_else(|| config.tokenizer_cluster.clone());
-                match self.callout(&config.tokenizer_cluster, &authority, path, &call) {
+                match self.callout(&config.tokenizer_cluster, &authority, path, &call, None) {
                     Some(token) => {
                         self.phase = Phase::Tokenizing {
                             token,

@@ -451,3 +451,97 @@ fn the_shipped_envoy_configs_pass_envoys_own_validation() {
     assert!(log.contains("OK"), "{log}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// kvaffined with `--auth-token-file`: a filter whose `index_token` is not in the file
+/// gets 401s (counted) and fails open, every request answered; once the token is added
+/// to the file (no restart) the same filter routes by prefix; probes and metrics stay
+/// open, and the API refuses a request without a token.
+#[test]
+fn an_authenticated_index_routes_only_filters_holding_a_token() {
+    let dir = std::env::temp_dir().join(format!("kvaffine-auth-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, "first-token\n").unwrap();
+    let stack = Stack::start(StackConfig {
+        daemon_args: vec!["--auth-token-file".into(), tokens.display().to_string()],
+        filter: json!({"index_token": "second-token"}),
+        ..StackConfig::default()
+    })
+    .unwrap();
+    let body = |seed: usize| json!({"messages": long_history(seed), "max_tokens": 4, "cache_salt": format!("auth{seed}")});
+    let refused = chat(&stack, &body(40));
+    assert_eq!(refused.status, 200, "{}", refused.body);
+    assert_eq!(
+        refused.header("x-kvaffine-reason"),
+        Some("index-unavailable")
+    );
+    let unauthorized = |stack: &Stack| {
+        let metrics = send(&stack.daemon_addr, "GET", "/metrics", &[], b"");
+        assert_eq!(metrics.status, 200, "/metrics needs no token");
+        metrics
+            .body
+            .lines()
+            .find_map(|l| l.strip_prefix("kvaffined_unauthorized_requests_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(unauthorized(&stack) >= 1.0);
+
+    // Rotation: the new token joins the file; the filter's lookups pass once it is re-read.
+    std::fs::write(&tokens, "first-token\nsecond-token\n").unwrap();
+    poll("the token file re-read", Duration::from_secs(10), || {
+        chat(&stack, &body(41)).header("x-kvaffine-reason") != Some("index-unavailable")
+    })
+    .unwrap();
+    let first = chat(&stack, &body(42));
+    let mut continued = body(42);
+    let answer = first.json()["choices"][0]["message"].clone();
+    continued["messages"].as_array_mut().unwrap().push(answer);
+    continued["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": "go on"}));
+    let second = chat(&stack, &continued);
+    assert_eq!(
+        second.header("x-kvaffine-reason"),
+        Some("prefix"),
+        "{:?}",
+        second.headers
+    );
+    assert!(cached(&second) > 0);
+
+    let lookup = br#"{"keys": [1, 2, 3]}"#;
+    let bare = send(
+        &stack.daemon_addr,
+        "POST",
+        "/v1/lookup",
+        &[("content-type", "application/json")],
+        lookup,
+    );
+    assert_eq!(bare.status, 401, "{}", bare.body);
+    assert_eq!(bare.header("www-authenticate"), Some("Bearer"));
+    let listed = send(
+        &stack.daemon_addr,
+        "POST",
+        "/v1/lookup",
+        &[
+            ("content-type", "application/json"),
+            ("authorization", "Bearer first-token"),
+        ],
+        lookup,
+    );
+    assert_eq!(listed.status, 200, "{}", listed.body);
+    assert_eq!(
+        send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"").status,
+        401
+    );
+    assert_eq!(
+        send(&stack.daemon_addr, "GET", "/healthz", &[], b"").status,
+        200
+    );
+    assert_eq!(
+        send(&stack.daemon_addr, "GET", "/readyz", &[], b"").status,
+        200
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

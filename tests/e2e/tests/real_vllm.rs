@@ -213,7 +213,8 @@ fn main() -> std::process::ExitCode {
 fn wire_formats(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let replica = &replicas[0];
     let events = Events::follow(replica)?;
-    let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(unique_seed(), 3 * BLOCK + 1), "max_tokens": 1});
+    let body =
+        json!({"model": SERVED_MODEL, "prompt": unique_prompt(3 * BLOCK + 1), "max_tokens": 1});
     let (status, answer) = replica.post("/v1/completions", &body);
     ensure(status == 200, || format!("{status} {answer}"))?;
     let frames = events
@@ -632,7 +633,8 @@ impl Events {
         // A probe request until its blocks arrive: from then on nothing is missed.
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(unique_seed(), BLOCK + 1), "max_tokens": 1});
+            let body =
+                json!({"model": SERVED_MODEL, "prompt": unique_prompt(BLOCK + 1), "max_tokens": 1});
             replica.post("/v1/completions", &body);
             if !events.stored_within(Duration::from_millis(500))?.is_empty() {
                 return Ok(events);
@@ -1303,7 +1305,7 @@ fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     // before them is evicted (vLLM evicts the least recently freed first).
     let flood = |replica: &VllmProcess| -> anyhow::Result<()> {
         for _ in 0..4 {
-            let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(unique_seed(), 20 * BLOCK), "max_tokens": 1});
+            let body = json!({"model": SERVED_MODEL, "prompt": unique_prompt(20 * BLOCK), "max_tokens": 1});
             let (status, answer) = replica.post("/v1/completions", &body);
             ensure(status == 200, || format!("flood: {status} {answer}"))?;
         }
@@ -1364,12 +1366,17 @@ fn eviction_pressure(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     })
 }
 
-/// A prompt seed no other request of this run uses.
-fn unique_seed() -> usize {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    1_000_000
-        + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 1000
-        + std::process::id() as usize % 1000
+/// `tokens` token ids whose first block no other prompt of this run starts with, so that
+/// the replica computes it and publishes it: the first two ids count the prompts made
+/// (ids from 141,000 up, which [`token_prompt`] never uses). A seed alone would not do:
+/// `token_prompt`'s first block repeats for seeds far enough apart.
+fn unique_prompt(tokens: usize) -> Vec<u32> {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut prompt = token_prompt(n as usize, tokens.max(2));
+    prompt[0] = 141_000 + n / 1000 % 1000;
+    prompt[1] = 141_000 + n % 1000;
+    prompt
 }
 
 /// Waits until kvaffined has applied everything `replica` published so far: a one-block
@@ -1399,7 +1406,7 @@ fn settle(stack: &Stack, replica: &VllmProcess, events: &Events) -> anyhow::Resu
 /// Sends a one-block marker prompt to `replica` and reads `events` up to the batch that
 /// stores it: that batch's seq, and the blocks removed on the way.
 fn publish_marker(replica: &VllmProcess, events: &Events) -> anyhow::Result<(u64, usize)> {
-    let prompt = token_prompt(unique_seed(), BLOCK + 1);
+    let prompt = unique_prompt(BLOCK + 1);
     let body = json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1});
     let (status, answer) = replica.post("/v1/completions", &body);
     ensure(status == 200, || format!("marker: {status} {answer}"))?;

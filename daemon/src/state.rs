@@ -90,6 +90,10 @@ pub struct EndpointStatus {
     pub rekey_entries: usize,
     /// Events applied since it was added.
     pub events_applied: u64,
+    /// Frames or payloads from it that did not decode, since it was added.
+    pub decode_errors: u64,
+    /// The last of them, as the decoder said.
+    pub last_decode_error: Option<String>,
 }
 
 /// `POST /v1/lookup`.

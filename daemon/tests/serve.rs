@@ -355,6 +355,55 @@ fn malformed_frames_are_counted_and_never_fatal() {
     });
 }
 
+/// One replica's socket turns hostile (garbage frames, a payload claiming four billion
+/// events, a batch whose event claims four billion block hashes): that endpoint is
+/// flagged in `/v1/endpoints` and counted, and the other endpoint's routing is untouched.
+#[test]
+fn a_hostile_publisher_is_flagged_and_the_others_route_on() {
+    let ctx = zmq::Context::new();
+    let (hostile, healthy) = (publisher(&ctx), publisher(&ctx));
+    let daemon = DaemonProcess::start(&[
+        "--endpoint",
+        &endpoint_flag(A, &hostile),
+        "--endpoint",
+        &endpoint_flag(B, &healthy),
+    ]);
+    daemon.wait_ready();
+    let good = prompt(81, 3);
+    let seq = 7u64.to_be_bytes();
+    wait_for(
+        "the hostile endpoint flagged and the healthy one followed",
+        || {
+            hostile.publish_raw(&[b"", b"short"]).unwrap();
+            // [ts, events: array of 2^32 - 1, ...]
+            hostile
+                .publish_raw(&[
+                    b"",
+                    &seq,
+                    b"\x93\xcb\x41\xd0\x00\x00\x00\x00\x00\x00\xdd\xff\xff\xff\xff",
+                ])
+                .unwrap();
+            // One BlockStored map whose block_hashes claims 2^32 - 1 entries.
+            hostile
+            .publish_raw(&[b"", &seq, b"\x93\xcb\x41\xd0\x00\x00\x00\x00\x00\x00\x91\x82\xa4type\xabBlockStored\xacblock_hashes\xdd\xff\xff\xff\xff"])
+            .unwrap();
+            healthy
+                .publish(&batch(vec![stored(&good, 0, own)]))
+                .unwrap();
+            let flagged = daemon.endpoint_status(A);
+            flagged["decode_errors"].as_u64().unwrap_or(0) >= 3
+                && flagged["last_decode_error"].is_string()
+                && daemon.matched(&keys(&good), B) == 3
+        },
+    );
+    assert_eq!(daemon.endpoint_status(B)["decode_errors"], 0);
+    assert!(daemon.metric("kvaffined_decode_errors_total{endpoint=\"127.0.0.1:1\"}") >= 3.0);
+    let answer = daemon.lookup(&keys(&good));
+    assert_eq!(answer["ranked"][0], B);
+    assert_eq!(answer["reason"], "prefix");
+    assert_eq!(daemon.request("GET", "/healthz", "").0, 200);
+}
+
 #[test]
 fn the_api_answers_bad_requests_with_json_errors() {
     let daemon = DaemonProcess::start(&["--max-keys", "4"]);

@@ -51,7 +51,12 @@ struct Follower<'a> {
     replay_url: Option<String>,
     replay_started: Option<Instant>,
     warned_unknown_types: bool,
+    /// When an undecodable message was last warned about.
+    decode_warned: Option<Instant>,
 }
+
+/// Undecodable messages are warned about at most this often per endpoint.
+const DECODE_WARNING_EVERY: Duration = Duration::from_secs(10);
 
 fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
     let spec = &endpoint.spec;
@@ -83,6 +88,7 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
         replay_url: spec.replay.clone(),
         replay_started: None,
         warned_unknown_types: false,
+        decode_warned: None,
     };
     info!(endpoint = %spec.endpoint, events = %spec.events, replay = ?spec.replay, "following KV events");
     if follower.replay_url.is_none() {
@@ -203,13 +209,30 @@ impl Follower<'_> {
         status.synced = true;
     }
 
-    fn decode_error(&self, what: &str) {
+    /// Counts an undecodable frame or payload, shows it in `/v1/endpoints`, and warns at
+    /// most once per [`DECODE_WARNING_EVERY`] so a broken or hostile publisher cannot
+    /// flood the log.
+    fn decode_error(&mut self, what: &str) {
         self.daemon
             .metrics
             .decode_errors
             .get_or_create(&self.endpoint.label)
             .inc();
-        debug!(endpoint = %self.endpoint.spec.endpoint, "undecodable {what}");
+        let count = {
+            let mut status = self.endpoint.status.lock();
+            status.decode_errors += 1;
+            status.last_decode_error = Some(what.to_owned());
+            status.decode_errors
+        };
+        let due = self
+            .decode_warned
+            .is_none_or(|at| at.elapsed() >= DECODE_WARNING_EVERY);
+        if due {
+            self.decode_warned = Some(Instant::now());
+            warn!(endpoint = %self.endpoint.spec.endpoint, total = count, "undecodable {what} (further ones for {} s are only counted)", DECODE_WARNING_EVERY.as_secs());
+        } else {
+            debug!(endpoint = %self.endpoint.spec.endpoint, "undecodable {what}");
+        }
     }
 
     fn perform(&mut self, actions: Vec<Action>) -> anyhow::Result<()> {

@@ -293,7 +293,12 @@ async fn event_sources(
         .send()
         .await
         .with_context(|| format!("GET {url}"))?
-        .error_for_status()?
+        .error_for_status()
+        .with_context(|| {
+            format!(
+                "{replica} does not name its event endpoints (vLLM publishes /kv_event_sources from 0.31 on; for an older replica give --endpoint {replica}=tcp://HOST:EVENTS_PORT,tcp://HOST:REPLAY_PORT)"
+            )
+        })?
         .json()
         .await
         .with_context(|| format!("{url} is not a map of KVEventsConfig by rank"))?;

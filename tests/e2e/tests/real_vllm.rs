@@ -1439,9 +1439,9 @@ fn up_with_upstreams(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         };
         return ensure(
             refusal.contains(&format!(
-                "{} answers /kv_event_sources with status 404",
+                "{} does not name its event endpoints",
                 replicas[0].http
-            )),
+            )) && refusal.contains("404"),
             || format!("unclear refusal: {refusal}"),
         );
     }

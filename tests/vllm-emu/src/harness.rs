@@ -104,20 +104,33 @@ pub fn dechunk(mut body: &str) -> String {
 }
 
 /// Starts `program` and returns it with the first line it prints on stdout (where the
-/// workspace's servers announce the address they bound).
+/// workspace's servers announce the address they bound). With `quiet`, its stderr is kept
+/// out of the terminal; if it exits without announcing, the line returned is the end of
+/// that stderr, so the caller's error says why.
 pub fn spawn_announcing(
     program: &std::path::Path,
     args: &[String],
     quiet: bool,
 ) -> (Child, String) {
+    static SPAWNED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let log = std::env::temp_dir().join(format!(
+        "kvaffine-{}-{}-{}.stderr",
+        program
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("child"),
+        std::process::id(),
+        SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let stderr = match quiet.then(|| std::fs::File::create(&log)) {
+        Some(Ok(file)) => Stdio::from(file),
+        Some(Err(_)) => Stdio::null(),
+        None => Stdio::inherit(),
+    };
     let mut child = Command::new(program)
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(if quiet {
-            Stdio::null()
-        } else {
-            Stdio::inherit()
-        })
+        .stderr(stderr)
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
     let mut line = String::new();
@@ -131,6 +144,16 @@ pub fn spawn_announcing(
                 sink.clear();
             }
         });
+    }
+    if quiet {
+        if line.is_empty() {
+            let _ = child.wait();
+            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = said.lines().rev().take(5).collect();
+            line = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
+        }
+        // The child keeps writing to the unlinked file; nothing is left behind.
+        let _ = std::fs::remove_file(&log);
     }
     (child, line)
 }

@@ -316,14 +316,6 @@ fn up(args: &[String]) -> anyhow::Result<()> {
             Some(size) => size,
             None => upstream_block_size(&args.upstreams)?,
         };
-        for upstream in &args.upstreams {
-            let (status, _) = http(upstream, "GET", "/kv_event_sources", "");
-            if status != 200 {
-                bail!(
-                    "{upstream} answers /kv_event_sources with status {status}: replicas name their event endpoints there from vLLM 0.31 on; for older ones run kvaffined with --endpoint {upstream}=tcp://HOST:EVENTS_PORT,tcp://HOST:REPLAY_PORT"
-                );
-            }
-        }
         let upstreams = args
             .upstreams
             .iter()

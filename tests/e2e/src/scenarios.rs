@@ -11,7 +11,7 @@ use vllm_emu::rng::XorShift64;
 
 use crate::session::{Oracle, Session, TurnResult, turn};
 use crate::vllm::{OracleProcess, VllmProcess};
-use crate::{Stack, StackConfig, Upstream};
+use crate::{Stack, StackConfig};
 
 /// A routing profile and the route prefix that selects it.
 #[derive(Clone, Copy)]
@@ -391,30 +391,14 @@ pub fn run_through<T>(
             let first = replicas
                 .first()
                 .ok_or_else(|| anyhow::anyhow!("no replica"))?;
-            let (version_filter, version_args) = crate::vllm::kvaffine_settings(first.version());
-            let mut filter = filter;
-            if let (Value::Object(filter), Value::Object(version)) = (&mut filter, version_filter) {
-                filter.extend(version);
-            }
-            let stack = Stack::front(
+            let stack = crate::vllm::front(
+                replicas,
+                prefill_tokens_per_second,
                 StackConfig {
-                    block_size: first.block_size(),
                     filter,
                     daemons,
-                    daemon_args: [
-                        vec![
-                            "--prefill-tokens-per-second".to_owned(),
-                            prefill_tokens_per_second.clone(),
-                        ],
-                        version_args,
-                    ]
-                    .concat(),
                     ..StackConfig::default()
                 },
-                replicas
-                    .iter()
-                    .map(|r| Upstream::with_events(r.endpoint_flag()))
-                    .collect(),
             )?;
             let oracle = Oracle::Vllm {
                 service: process.addr.clone(),

@@ -232,20 +232,10 @@ pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
     };
     let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
     let cost = prefill_cost(&replicas[0], 5)?;
-    let upstreams = replicas
-        .iter()
-        .map(|r| crate::Upstream::with_events(r.endpoint_flag()))
-        .collect();
-    let stack = Stack::front(
-        StackConfig {
-            block_size: 64,
-            daemon_args: vec![
-                "--prefill-tokens-per-second".into(),
-                crate::vllm::BENCH_PREFILL_TOKENS_PER_SECOND.into(),
-            ],
-            ..StackConfig::default()
-        },
-        upstreams,
+    let stack = crate::vllm::front(
+        &replicas,
+        crate::vllm::BENCH_PREFILL_TOKENS_PER_SECOND,
+        StackConfig::default(),
     )?;
     let rendered = |replica: &VllmProcess, body: &Value| -> anyhow::Result<u64> {
         let (status, answer) = replica.post("/v1/responses/render", body);

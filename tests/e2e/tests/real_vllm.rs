@@ -18,9 +18,9 @@ use kvaffine_core::route::{self, Action, Api, Mode, Router};
 use kvaffine_e2e::client::{Connection, Reply, post_json, send};
 use kvaffine_e2e::vllm::{
     OracleProcess, SERVED_MODEL, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec,
-    default_version, facts, kvaffine_settings, tiny_daemon_args,
+    default_version, facts, kvaffine_settings,
 };
-use kvaffine_e2e::{Stack, StackConfig, UpProcess, Upstream, poll};
+use kvaffine_e2e::{Stack, StackConfig, UpProcess, poll};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{Value, json};
 
@@ -292,22 +292,11 @@ fn event_encoding(payload: &[u8]) -> anyhow::Result<&'static str> {
 
 /// kvaffined and Envoy with the filter in front of `replicas`.
 fn stack(replicas: &[VllmProcess]) -> anyhow::Result<Stack> {
-    let upstreams = replicas
-        .iter()
-        .map(|r| Upstream::with_events(r.endpoint_flag()))
-        .collect();
-    Stack::front(stack_config(), upstreams)
-}
-
-/// The tiny model's prefill rate, and how the replicas' version hashes.
-fn stack_config() -> StackConfig {
-    let (filter, version_args) = kvaffine_settings(&default_version());
-    StackConfig {
-        block_size: BLOCK,
-        daemon_args: [tiny_daemon_args(), version_args].concat(),
-        filter,
-        ..StackConfig::default()
-    }
+    kvaffine_e2e::vllm::front(
+        replicas,
+        TINY_PREFILL_TOKENS_PER_SECOND,
+        StackConfig::default(),
+    )
 }
 
 fn ensure(condition: bool, message: impl FnOnce() -> String) -> anyhow::Result<()> {

@@ -104,24 +104,16 @@ fn tokenizer_args(tokenizer: &str) -> anyhow::Result<Vec<String>> {
 /// Two real vLLM replicas of the tests' tiny model (64-token blocks) behind the stack: the
 /// routing path with vLLM's own `/tokenize`.
 fn real_stack() -> anyhow::Result<(Stack, Vec<kvaffine_e2e::vllm::VllmProcess>)> {
-    use kvaffine_e2e::vllm::{VllmProcess, VllmSpec, kvaffine_settings, tiny_daemon_args};
+    use kvaffine_e2e::vllm::{TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec, front};
     let spec = VllmSpec {
         block_size: 64,
         ..VllmSpec::default()
     };
-    let replicas = VllmProcess::start_all(&[spec.clone(), spec.clone()])?;
-    let (filter, version_args) = kvaffine_settings(&spec.version);
-    let stack = Stack::front(
-        StackConfig {
-            block_size: 64,
-            filter,
-            daemon_args: [tiny_daemon_args(), version_args].concat(),
-            ..StackConfig::default()
-        },
-        replicas
-            .iter()
-            .map(|r| kvaffine_e2e::Upstream::with_events(r.endpoint_flag()))
-            .collect(),
+    let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
+    let stack = front(
+        &replicas,
+        TINY_PREFILL_TOKENS_PER_SECOND,
+        StackConfig::default(),
     )?;
     Ok((stack, replicas))
 }

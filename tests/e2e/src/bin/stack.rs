@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use kvaffine_e2e::client::post_json;
-use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec, tiny_daemon_args};
+use kvaffine_e2e::vllm::{SERVED_MODEL, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
 use kvaffine_e2e::{Stack, StackConfig, Upstream};
 use serde_json::{Value, json};
 use vllm_emu::harness::http;
@@ -66,18 +66,8 @@ fn start_vllm(config: StackConfig, replicas: usize) -> anyhow::Result<Running> {
         ..VllmSpec::default()
     };
     let processes = VllmProcess::start_all(&vec![spec; replicas])?;
-    let upstreams = processes
-        .iter()
-        .map(|r| Upstream::with_events(r.endpoint_flag()))
-        .collect();
     Ok(Running {
-        stack: Stack::front(
-            StackConfig {
-                daemon_args: tiny_daemon_args(),
-                ..config
-            },
-            upstreams,
-        )?,
+        stack: kvaffine_e2e::vllm::front(&processes, TINY_PREFILL_TOKENS_PER_SECOND, config)?,
         _replicas: processes,
         model: SERVED_MODEL.to_owned(),
     })

@@ -187,6 +187,65 @@ fn lookups(out: &mut String) {
     ));
 }
 
+/// Lookups per second from `callers` threads at once, each booking its pick if `book`, for
+/// one second: whether lookups run side by side or queue on a lock.
+fn concurrent_rate(
+    daemon: &Arc<Daemon>,
+    chains: &Arc<Vec<Vec<u64>>>,
+    callers: usize,
+    book: bool,
+) -> f64 {
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..callers)
+        .map(|caller| {
+            let (daemon, chains, stop) = (daemon.clone(), chains.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut done = 0u64;
+                let mut i = caller * 7919;
+                while !stop.load(Ordering::Relaxed) {
+                    let request = LookupRequest {
+                        keys: chains[i % chains.len()].clone(),
+                        model: None,
+                        book: book.then(Default::default),
+                        approximate: false,
+                    };
+                    std::hint::black_box(daemon.lookup(&request, Instant::now()));
+                    done += 1;
+                    i += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    stop.store(true, Ordering::Relaxed);
+    let total: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+fn concurrent(out: &mut String) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let (daemon, chains) = daemon_with_index(&mut rng);
+    let chains = Arc::new(chains);
+    out.push_str("\n| whole lookups from concurrent callers (128 keys, 8 endpoints, no HTTP) | 1 caller | 2 callers | 2 / 1 |\n|---|---|---|---|\n");
+    for book in [false, true] {
+        let one = concurrent_rate(&daemon, &chains, 1, book);
+        let two = concurrent_rate(&daemon, &chains, 2, book);
+        out.push_str(&format!(
+            "| {} | {:.0} k/s | {:.0} k/s | {:.2} |\n",
+            if book {
+                "each pick booked"
+            } else {
+                "read only"
+            },
+            one / 1e3,
+            two / 1e3,
+            two / one
+        ));
+    }
+}
+
 fn http(out: &mut String) {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let (daemon, chains) = daemon_with_index(&mut rng);
@@ -346,5 +405,6 @@ fn main() {
     http(&mut out);
     ingest(&mut out);
     memory(&mut out);
+    concurrent(&mut out);
     println!("{out}");
 }

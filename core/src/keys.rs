@@ -78,7 +78,10 @@ impl fmt::Debug for Digest {
 }
 
 /// The key a KV event publishes for a block, and the key the index is built on.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
 pub struct BlockKey(pub u64);
 
 impl fmt::Display for BlockKey {

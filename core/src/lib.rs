@@ -6,7 +6,14 @@
 //! * [`salt`]: `cache_salt` validation, as vLLM validates it.
 //! * [`pick`]: the ranking policy, "sticky until saturated".
 //! * [`request`]: OpenAI request bodies as vLLM's chat template receives them.
-//! * [`route`]: a buffered request to the index question, the answer to a pick.
+//! * [`config`]: the routing settings; [`api`]: which API a path is.
+//! * [`plan`]: a buffered request to its next step; [`tokens`]: a tokenizer answer to
+//!   block keys; [`approximate`]: text keys for the approximate mode.
+//! * [`protocol`]: the lookup the filter asks and the daemon answers.
+//! * [`reason`]: the one spelling of every routing outcome.
+//!
+//! request body -> [`plan::plan`] -> (tokenize call -> [`tokens::keys_from_tokenize`]) ->
+//! keys -> [`protocol::LookupRequest`] -> index -> [`protocol::Pick`] -> header values.
 //!
 //! The crate builds unchanged for `wasm32-wasip1` (the Envoy filter) and natively (the
 //! daemon, the emulator, tests).
@@ -22,17 +29,24 @@
 //! # Ok::<(), kvaffine_core::KeyConfigError>(())
 //! ```
 
+pub mod api;
+pub mod approximate;
 mod cbor;
+pub mod config;
 pub mod events;
 pub mod keys;
 pub mod pick;
+pub mod plan;
+pub mod protocol;
+pub mod reason;
 pub mod request;
-pub mod route;
 pub mod salt;
+pub mod tokens;
 
 pub use keys::{
     BlockKey, DEFAULT_NONE_HASH_SEED, Digest, DigestCache, HashAlgo, KeyChain, KeyConfig,
     KeyConfigError, KeyExtras, LoraAdapter, MAX_DIGEST_LEN, VllmCompat,
 };
-pub use pick::{Candidate, Load, PickPolicy, PickReason};
+pub use pick::{Candidate, Load, PickPolicy};
+pub use reason::Reason;
 pub use salt::{CacheSalt, CacheSaltError, MAX_CACHE_SALT_CHARS};

@@ -4,6 +4,8 @@
 //! `docs/daemon.md`. It is a pure function of the candidates, so the daemon, the
 //! benchmarks and the tests all rank identically.
 
+use crate::reason::Reason;
+
 /// What is known of a replica's load, from its `/metrics` and from recent picks.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Load {
@@ -59,31 +61,6 @@ impl Default for PickPolicy {
     }
 }
 
-/// Why the first-ranked replica is first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PickReason {
-    /// It holds the longest prefix and is not saturated.
-    Prefix,
-    /// No usable replica holds a prefix worth following: least loaded first.
-    Load,
-    /// A replica with a longer prefix was saturated: affinity yielded to load.
-    Saturated,
-    /// There is nothing to rank.
-    NoCandidates,
-}
-
-impl PickReason {
-    /// The value of the `x-kvaffine-reason` header and the daemon's `reason` field.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Prefix => "prefix",
-            Self::Load => "load",
-            Self::Saturated => "saturated",
-            Self::NoCandidates => "no-candidates",
-        }
-    }
-}
-
 impl PickPolicy {
     fn saturated(&self, load: &Load) -> bool {
         load.waiting >= self.max_waiting
@@ -100,19 +77,25 @@ impl PickPolicy {
 
     /// The prefill work, in uncached-token equivalents, that sending a request of
     /// `request_blocks` blocks to this candidate would queue behind and add: its pending
-    /// prefill (picks booked on it whose blocks its events have not confirmed yet), the
-    /// blocks it does not hold, and the (cheaper) blocks it does.
+    /// prefill (picks booked on it whose blocks its events have not confirmed yet) and the
+    /// request's own [prefill work](Self::prefill_work).
     ///
     /// Waiting requests from `/metrics` are not costed: scraped every half second they lag
     /// the bookings, and counting them as full requests made affinity leave warm replicas
     /// too early (the scenario benchmark's hot-system-prompt and template-divergence runs
     /// lost hit rate and TTFT with it); they saturate a replica and break ties instead.
     fn cost(&self, request_blocks: usize, c: &Candidate) -> f64 {
-        let matched = self.useful_match(c.matched_blocks).min(request_blocks);
+        c.load.pending_prefill_tokens as f64 + self.prefill_work(request_blocks, c.matched_blocks)
+    }
+
+    /// The prefill, in uncached-token equivalents, of a request of `request_blocks` blocks
+    /// on a replica holding its first `matched_blocks`: the blocks it does not hold, and
+    /// the (cheaper) blocks it does. What a pick adds to its replica's queue, and what
+    /// ranking weighs.
+    pub fn prefill_work(&self, request_blocks: usize, matched_blocks: usize) -> f64 {
+        let matched = self.useful_match(matched_blocks).min(request_blocks);
         let block = self.block_size as f64;
-        c.load.pending_prefill_tokens as f64
-            + (request_blocks - matched) as f64 * block
-            + matched as f64 * block * self.cached_token_cost
+        (request_blocks - matched) as f64 * block + matched as f64 * block * self.cached_token_cost
     }
 
     /// Candidate indices, best first, and why the first is first, for a request of
@@ -129,7 +112,7 @@ impl PickPolicy {
         request_blocks: usize,
         candidates: &[Candidate],
         rotation: usize,
-    ) -> (Vec<usize>, PickReason) {
+    ) -> (Vec<usize>, Reason) {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
         let key = |c: &Candidate| (!c.usable, self.saturated(&c.load));
         let tail = |c: &Candidate| (c.load.waiting, c.load.running);
@@ -148,7 +131,7 @@ impl PickPolicy {
             _ => std::cmp::Ordering::Equal,
         });
         let Some(first) = order.first().and_then(|&i| candidates.get(i)) else {
-            return (order, PickReason::NoCandidates);
+            return (order, Reason::NoCandidates);
         };
         let best_usable_match = candidates
             .iter()
@@ -158,11 +141,11 @@ impl PickPolicy {
             .unwrap_or(0);
         let chosen = self.useful_match(first.matched_blocks);
         let reason = if best_usable_match > chosen {
-            PickReason::Saturated
+            Reason::Saturated
         } else if chosen > 0 {
-            PickReason::Prefix
+            Reason::Prefix
         } else {
-            PickReason::Load
+            Reason::Load
         };
         (order, reason)
     }
@@ -187,14 +170,14 @@ mod tests {
     fn longest_prefix_wins_while_not_saturated() {
         let policy = PickPolicy::default();
         let (order, reason) = policy.rank(10, &[c(2, 0), c(9, 0), c(0, 1)], 0);
-        assert_eq!((order, reason), (vec![1, 0, 2], PickReason::Prefix));
+        assert_eq!((order, reason), (vec![1, 0, 2], Reason::Prefix));
     }
 
     #[test]
     fn affinity_yields_to_load_past_saturation() {
         let policy = PickPolicy::default();
         let (order, reason) = policy.rank(10, &[c(0, 1), c(9, 8)], 0);
-        assert_eq!((order, reason), (vec![0, 1], PickReason::Saturated));
+        assert_eq!((order, reason), (vec![0, 1], Reason::Saturated));
     }
 
     #[test]
@@ -204,7 +187,7 @@ mod tests {
             ..PickPolicy::default()
         };
         let (order, reason) = policy.rank(10, &[c(1, 3), c(1, 1), c(0, 2)], 0);
-        assert_eq!((order, reason), (vec![1, 2, 0], PickReason::Load));
+        assert_eq!((order, reason), (vec![1, 2, 0], Reason::Load));
     }
 
     #[test]
@@ -216,7 +199,7 @@ mod tests {
         assert_eq!(policy.rank(10, &[busy, idle], 0).0, vec![1, 0]);
         busy.load.pending_prefill_tokens = policy.max_pending_prefill_tokens;
         let (order, reason) = policy.rank(10, &[busy, c(0, 0)], 0);
-        assert_eq!((order, reason), (vec![1, 0], PickReason::Saturated));
+        assert_eq!((order, reason), (vec![1, 0], Reason::Saturated));
     }
 
     #[test]
@@ -226,9 +209,9 @@ mod tests {
         broken.usable = false;
         assert_eq!(
             policy.rank(10, &[broken, c(0, 5)], 0),
-            (vec![1, 0], PickReason::Load)
+            (vec![1, 0], Reason::Load)
         );
-        assert_eq!(policy.rank(10, &[], 0), (vec![], PickReason::NoCandidates));
+        assert_eq!(policy.rank(10, &[], 0), (vec![], Reason::NoCandidates));
     }
 
     #[test]
@@ -236,11 +219,11 @@ mod tests {
         let policy = PickPolicy::default();
         assert_eq!(
             policy.rank(10, &[c(10, 2), c(0, 0)], 0),
-            (vec![0, 1], PickReason::Prefix)
+            (vec![0, 1], Reason::Prefix)
         );
         assert_eq!(
             policy.rank(10, &[c(0, 2), c(0, 1)], 0),
-            (vec![1, 0], PickReason::Load)
+            (vec![1, 0], Reason::Load)
         );
     }
 
@@ -252,13 +235,13 @@ mod tests {
         let cold = c(0, 0);
         assert_eq!(
             policy.rank(100, &[cold, warm], 0),
-            (vec![1, 0], PickReason::Prefix)
+            (vec![1, 0], Reason::Prefix)
         );
         // 100 blocks of 16 tokens cost 1,600 cold; behind 20,000 queued tokens warm costs more.
         warm.load.pending_prefill_tokens = 20_000;
         assert_eq!(
             policy.rank(100, &[cold, warm], 0),
-            (vec![0, 1], PickReason::Saturated)
+            (vec![0, 1], Reason::Saturated)
         );
     }
 

@@ -9,12 +9,14 @@
     clippy::indexing_slicing
 )]
 
-use kvaffine_core::route::{self, Action, Api, Mode, Router, Skip};
+use kvaffine_core::api::Api;
+use kvaffine_core::config::{Mode, Router};
+use kvaffine_core::plan::{self, Action, Skip};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
 fn router() -> Router {
-    Router::from_json(br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":4}"#).unwrap()
+    Router::from_json(br#"{"block_size":4}"#).unwrap()
 }
 
 const APIS: [Api; 3] = [Api::ChatCompletions, Api::Completions, Api::Responses];
@@ -24,14 +26,14 @@ fn check(body: &[u8]) {
     let router = router();
     for api in APIS {
         for mode in MODES {
-            let plan = route::plan(&router, api, mode, body);
+            let plan = plan::plan(&router, api, mode, body);
             if let Action::Tokenize { body: call, .. } = &plan.action {
                 if call.as_slice() != body {
                     let value: Value = serde_json::from_slice(call).unwrap();
                     assert!(value.get("messages").is_some_and(Value::is_array));
                 }
             }
-            let again = route::plan(&router, api, mode, body);
+            let again = plan::plan(&router, api, mode, body);
             assert_eq!(again, plan, "planning is deterministic");
         }
     }
@@ -109,7 +111,7 @@ fn hostile_bodies_are_planned_or_passed_through() {
         "]".repeat(100_000)
     );
     assert_eq!(
-        route::plan(
+        plan::plan(
             &router,
             Api::ChatCompletions,
             Mode::Precise,
@@ -123,7 +125,7 @@ fn hostile_bodies_are_planned_or_passed_through() {
     bad.extend_from_slice(&[0xff, 0xfe]);
     bad.extend_from_slice(br#""}]}"#);
     assert_eq!(
-        route::plan(&router, Api::ChatCompletions, Mode::Precise, &bad).action,
+        plan::plan(&router, Api::ChatCompletions, Mode::Precise, &bad).action,
         Action::Skip(Skip::NotJson)
     );
     // 10k messages and a huge token-id prompt are planned, not refused.
@@ -132,7 +134,7 @@ fn hostile_bodies_are_planned_or_passed_through() {
         .collect();
     let body = json!({"messages": many}).to_string();
     assert!(matches!(
-        route::plan(
+        plan::plan(
             &router,
             Api::ChatCompletions,
             Mode::Precise,
@@ -141,7 +143,7 @@ fn hostile_bodies_are_planned_or_passed_through() {
         .action,
         Action::Tokenize { .. }
     ));
-    let approximate = route::plan(
+    let approximate = plan::plan(
         &router,
         Api::ChatCompletions,
         Mode::Approximate,
@@ -151,6 +153,6 @@ fn hostile_bodies_are_planned_or_passed_through() {
     let ids: Vec<u32> = (0..1_000_000).collect();
     let body = json!({"prompt": ids}).to_string();
     assert!(
-        matches!(route::plan(&router, Api::Completions, Mode::Precise, body.as_bytes()).action, Action::Lookup(ref k) if k.keys.len() == 250_000)
+        matches!(plan::plan(&router, Api::Completions, Mode::Precise, body.as_bytes()).action, Action::Lookup(ref k) if k.keys.len() == 250_000)
     );
 }

@@ -12,15 +12,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
+use kvaffine_core::BlockKey;
 use kvaffine_core::events::{
     BlockStored, EngineHash, EventBatch, EventFormat, KvEvent, decode_batch, encode_batch,
 };
+use kvaffine_core::protocol::{Booking, LookupRequest, Query};
 use kvaffine_core::{HashAlgo, KeyConfig, KeyExtras, VllmCompat};
 use kvaffined::config::Settings;
 use kvaffined::index::{GPU, PrefixIndex, Slot};
 use kvaffined::ingest::Applier;
 use kvaffined::metrics::EndpointLabel;
-use kvaffined::state::{Daemon, Endpoint, EndpointStatus, LookupRequest, ScrapedLoad};
+use kvaffined::state::{Daemon, Endpoint, EndpointStatus, ScrapedLoad};
 use parking_lot::Mutex;
 
 /// Counts live heap bytes, so index memory is measured, not estimated.
@@ -129,9 +131,19 @@ fn daemon_with_index(rng: &mut Rng) -> (Arc<Daemon>, Vec<Vec<u64>>) {
                 ..EndpointStatus::default()
             }),
             stop: AtomicBool::new(true),
+            ingest: Mutex::new(None),
         }));
     }
     (daemon, chains)
+}
+
+fn lookup_of(keys: &[u64], book: bool) -> LookupRequest {
+    LookupRequest {
+        query: Query::Blocks(keys.iter().copied().map(BlockKey).collect()),
+        model: None,
+        book: book.then(Booking::default),
+        candidates: 2,
+    }
 }
 
 fn lookups(out: &mut String) {
@@ -169,12 +181,7 @@ fn lookups(out: &mut String) {
     drop(index);
     let mut times = Vec::new();
     for i in 0..50_000 {
-        let request = LookupRequest {
-            keys: chains[i % chains.len()].clone(),
-            model: None,
-            book: None,
-            approximate: false,
-        };
+        let request = lookup_of(&chains[i % chains.len()], false);
         let start = Instant::now();
         std::hint::black_box(daemon.lookup(&request, Instant::now()));
         times.push(start.elapsed());
@@ -204,12 +211,7 @@ fn concurrent_rate(
                 let mut done = 0u64;
                 let mut i = caller * 7919;
                 while !stop.load(Ordering::Relaxed) {
-                    let request = LookupRequest {
-                        keys: chains[i % chains.len()].clone(),
-                        model: None,
-                        book: book.then(Default::default),
-                        approximate: false,
-                    };
+                    let request = lookup_of(&chains[i % chains.len()], book);
                     std::hint::black_box(daemon.lookup(&request, Instant::now()));
                     done += 1;
                     i += 1;
@@ -263,11 +265,11 @@ fn http(out: &mut String) {
                 .unwrap();
         });
         let client = reqwest::Client::builder().no_proxy().build().unwrap();
-        let url = format!("http://{addr}/v1/lookup");
+        let url = format!("http://{addr}/v2/lookup");
         let bodies: Vec<String> = chains
             .iter()
             .take(1000)
-            .map(|c| serde_json::json!({ "keys": c }).to_string())
+            .map(|c| serde_json::json!({ "blocks": c, "candidates": 2 }).to_string())
             .collect();
         // Warm the connection pool.
         for body in bodies.iter().take(50) {

@@ -1,5 +1,5 @@
-//! Bookings: a lookup's pick, remembered until the replica's events confirm it, and the
-//! prefill backlog those picks put on each replica.
+//! Bookings: a precise lookup's pick, remembered until the replica's events confirm it,
+//! and the prefill backlog every pick puts on its replica.
 //!
 //! Without them, requests that share a fresh prefix and arrive before its KV events (a
 //! sibling burst; events lag prefill) would each see no match and scatter. A booked prefix
@@ -8,17 +8,18 @@
 //! the configured prefill speed: a replica prefills one batch after another, so work booked
 //! together finishes one after another.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::time::Instant;
 
 use foldhash::fast::RandomState;
+use kvaffine_core::BlockKey;
 
 use crate::index::{MAX_SLOTS, Slot};
 
 struct Booking {
     slot: Slot,
     keys: Vec<u64>,
-    expires: Instant,
 }
 
 /// Queued prefill of one replica, in uncached-token equivalents, as of `at`.
@@ -37,26 +38,16 @@ impl Backlog {
     }
 }
 
-/// Live bookings, indexed by key for lookups and by last key for confirmation.
-pub struct Bookings {
-    entries: HashMap<u64, Booking, RandomState>,
-    next_id: u64,
-    /// Key -> (slot, number of live bookings of that key on that slot).
-    holders: HashMap<u64, Vec<(Slot, u32)>, RandomState>,
-    /// (slot, last key) -> booking id.
-    by_last_key: HashMap<(Slot, u64), u64, RandomState>,
+/// The prefill queued on each replica by picks, draining at the assumed prefill speed.
+pub struct Backlogs {
     backlog: [Backlog; MAX_SLOTS],
     tokens_per_second: f64,
 }
 
-impl Bookings {
-    /// No bookings; backlogs drain at `tokens_per_second`.
+impl Backlogs {
+    /// Empty queues that drain at `tokens_per_second`.
     pub fn new(tokens_per_second: f64) -> Self {
         Self {
-            entries: HashMap::default(),
-            next_id: 0,
-            holders: HashMap::default(),
-            by_last_key: HashMap::default(),
             backlog: [Backlog {
                 tokens: 0.0,
                 at: None,
@@ -65,8 +56,8 @@ impl Bookings {
         }
     }
 
-    /// Books `keys` on `slot` until `now + ttl`; `work` is the prefill it adds.
-    pub fn book(&mut self, slot: Slot, keys: &[u64], work: u64, now: Instant, ttl: Duration) {
+    /// A pick at `now` adds `work` to `slot`'s queue.
+    pub fn add(&mut self, slot: Slot, work: u64, now: Instant) {
         if let Some(backlog) = self.backlog.get_mut(slot.index()) {
             let left = backlog.at(now, self.tokens_per_second);
             *backlog = Backlog {
@@ -74,7 +65,45 @@ impl Bookings {
                 at: Some(now),
             };
         }
-        let Some(&last) = keys.last() else {
+    }
+
+    /// Prefill still queued per slot at `now`, in uncached-token equivalents.
+    pub fn pending_tokens(&self, now: Instant) -> [u64; MAX_SLOTS] {
+        let mut out = [0u64; MAX_SLOTS];
+        for (out, backlog) in out.iter_mut().zip(&self.backlog) {
+            *out = backlog.at(now, self.tokens_per_second) as u64;
+        }
+        out
+    }
+
+    /// Empties `slot`'s queue (the endpoint was purged or removed).
+    pub fn forget_slot(&mut self, slot: Slot) {
+        if let Some(backlog) = self.backlog.get_mut(slot.index()) {
+            *backlog = Backlog {
+                tokens: 0.0,
+                at: None,
+            };
+        }
+    }
+}
+
+/// Live bookings, indexed by key for lookups, by last key for confirmation and by expiry.
+#[derive(Default)]
+pub struct Bookings {
+    entries: HashMap<u64, Booking, RandomState>,
+    next_id: u64,
+    /// Key -> (slot, number of live bookings of that key on that slot).
+    holders: HashMap<u64, Vec<(Slot, u32)>, RandomState>,
+    /// (slot, last key) -> booking id.
+    by_last_key: HashMap<(Slot, u64), u64, RandomState>,
+    /// Soonest expiry first; ids already dropped are skipped when they come up.
+    expiries: BinaryHeap<Reverse<(Instant, u64)>>,
+}
+
+impl Bookings {
+    /// Books `keys` on `slot` until `expires`.
+    pub fn book(&mut self, slot: Slot, keys: &[BlockKey], expires: Instant) {
+        let Some(&BlockKey(last)) = keys.last() else {
             return;
         };
         if let Some(old) = self.by_last_key.remove(&(slot, last)) {
@@ -82,20 +111,20 @@ impl Bookings {
         }
         let id = self.next_id;
         self.next_id += 1;
-        for key in keys {
-            let counts = self.holders.entry(*key).or_default();
+        for &BlockKey(key) in keys {
+            let counts = self.holders.entry(key).or_default();
             match counts.iter_mut().find(|(s, _)| *s == slot) {
                 Some((_, n)) => *n += 1,
                 None => counts.push((slot, 1)),
             }
         }
         self.by_last_key.insert((slot, last), id);
+        self.expiries.push(Reverse((expires, id)));
         self.entries.insert(
             id,
             Booking {
                 slot,
-                keys: keys.to_vec(),
-                expires: now + ttl,
+                keys: keys.iter().map(|k| k.0).collect(),
             },
         );
     }
@@ -122,15 +151,21 @@ impl Bookings {
         }
     }
 
-    /// Drops bookings past their expiry.
+    /// Whether a booking is past its expiry at `now` (cheap: lookups ask it under a read
+    /// lock and take the write lock only when there is something to drop).
+    pub fn has_expired(&self, now: Instant) -> bool {
+        self.expiries
+            .peek()
+            .is_some_and(|Reverse((expires, _))| *expires <= now)
+    }
+
+    /// Drops bookings past their expiry, soonest first.
     pub fn expire(&mut self, now: Instant) {
-        let expired: Vec<u64> = self
-            .entries
-            .iter()
-            .filter(|(_, b)| b.expires <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
+        while let Some(&Reverse((expires, id))) = self.expiries.peek() {
+            if expires > now {
+                break;
+            }
+            self.expiries.pop();
             self.drop_booking(id);
         }
     }
@@ -163,16 +198,7 @@ impl Bookings {
         self.entries.is_empty()
     }
 
-    /// Prefill still queued per slot at `now`, in uncached-token equivalents.
-    pub fn pending_tokens(&self, now: Instant) -> [u64; MAX_SLOTS] {
-        let mut out = [0u64; MAX_SLOTS];
-        for (out, backlog) in out.iter_mut().zip(&self.backlog) {
-            *out = backlog.at(now, self.tokens_per_second) as u64;
-        }
-        out
-    }
-
-    /// Forgets every booking and the backlog on `slot` (the endpoint was purged or removed).
+    /// Forgets every booking on `slot` (the endpoint was purged or removed).
     pub fn forget_slot(&mut self, slot: Slot) {
         let ids: Vec<u64> = self
             .entries
@@ -183,58 +209,76 @@ impl Bookings {
         for id in ids {
             self.drop_booking(id);
         }
-        if let Some(backlog) = self.backlog.get_mut(slot.index()) {
-            *backlog = Backlog {
-                tokens: 0.0,
-                at: None,
-            };
-        }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+
+    fn keys(k: &[u64]) -> Vec<BlockKey> {
+        k.iter().copied().map(BlockKey).collect()
+    }
 
     #[test]
     fn bookings_hold_until_confirmed_or_expired() {
         let (a, b) = (Slot::new(0).unwrap(), Slot::new(3).unwrap());
         let now = Instant::now();
         let ttl = Duration::from_secs(2);
-        let mut bookings = Bookings::new(1000.0);
-        bookings.book(a, &[1, 2, 3], 192, now, ttl);
-        bookings.book(b, &[1, 2], 64, now, ttl);
+        let mut bookings = Bookings::default();
+        bookings.book(a, &keys(&[1, 2, 3]), now + ttl);
+        bookings.book(b, &keys(&[1, 2]), now + ttl);
         assert_eq!(bookings.holders(1), 0b1001);
         assert_eq!(bookings.holders(3), 0b0001);
         bookings.confirm(a, &[2]);
         assert_eq!(bookings.holders(3), 0b0001, "2 is not a's last key");
         bookings.confirm(a, &[3]);
         assert_eq!(bookings.holders(1), 0b1000);
+        assert!(!bookings.has_expired(now));
+        assert!(bookings.has_expired(now + ttl));
         bookings.expire(now + ttl);
-        assert!(bookings.is_empty());
+        assert!(bookings.is_empty() && !bookings.has_expired(now + ttl));
         assert_eq!(bookings.holders(1), 0);
+    }
+
+    #[test]
+    fn a_rebooked_prefix_expires_with_its_newest_booking() {
+        let a = Slot::new(0).unwrap();
+        let now = Instant::now();
+        let mut bookings = Bookings::default();
+        bookings.book(a, &keys(&[1, 2]), now + Duration::from_secs(1));
+        bookings.book(a, &keys(&[1, 2]), now + Duration::from_secs(3));
+        bookings.expire(now + Duration::from_secs(2));
+        assert_eq!(
+            bookings.holders(2),
+            0b1,
+            "the second booking replaced the first"
+        );
+        bookings.expire(now + Duration::from_secs(3));
+        assert!(bookings.is_empty());
     }
 
     #[test]
     fn the_backlog_adds_up_and_drains_one_batch_after_another() {
         let a = Slot::new(0).unwrap();
         let now = Instant::now();
-        let ttl = Duration::from_secs(2);
-        let mut bookings = Bookings::new(1000.0);
-        bookings.book(a, &[1], 300, now, ttl);
-        bookings.book(a, &[2], 300, now, ttl);
-        assert_eq!(bookings.pending_tokens(now)[0], 600);
+        let mut backlogs = Backlogs::new(1000.0);
+        backlogs.add(a, 300, now);
+        backlogs.add(a, 300, now);
+        assert_eq!(backlogs.pending_tokens(now)[0], 600);
         assert_eq!(
-            bookings.pending_tokens(now + Duration::from_millis(400))[0],
+            backlogs.pending_tokens(now + Duration::from_millis(400))[0],
             200
         );
-        bookings.book(a, &[3], 100, now + Duration::from_millis(400), ttl);
+        backlogs.add(a, 100, now + Duration::from_millis(400));
         assert_eq!(
-            bookings.pending_tokens(now + Duration::from_millis(400))[0],
+            backlogs.pending_tokens(now + Duration::from_millis(400))[0],
             300
         );
-        assert_eq!(bookings.pending_tokens(now + Duration::from_secs(2))[0], 0);
-        bookings.forget_slot(a);
-        assert_eq!(bookings.pending_tokens(now)[0], 0);
+        assert_eq!(backlogs.pending_tokens(now + Duration::from_secs(2))[0], 0);
+        backlogs.forget_slot(a);
+        assert_eq!(backlogs.pending_tokens(now)[0], 0);
     }
 }

@@ -6,8 +6,9 @@
 use std::collections::{HashMap, VecDeque};
 
 use foldhash::fast::RandomState;
+use kvaffine_core::approximate::TextKey;
 
-use crate::index::{MAX_SLOTS, Slot};
+use crate::index::{MAX_SLOTS, Slot, longest_prefixes_by};
 
 struct Entry {
     holders: u64,
@@ -35,8 +36,8 @@ impl History {
     }
 
     /// `slot` served a request with these keys.
-    pub fn record(&mut self, slot: Slot, keys: &[u64]) {
-        for &key in keys {
+    pub fn record(&mut self, slot: Slot, keys: &[TextKey]) {
+        for &TextKey(key) in keys {
             self.stamp += 1;
             let entry = self.entries.entry(key).or_insert(Entry {
                 holders: 0,
@@ -57,33 +58,10 @@ impl History {
     }
 
     /// For every slot, how many leading `keys` were routed to it.
-    pub fn longest_prefixes(&self, keys: &[u64]) -> [u32; MAX_SLOTS] {
-        let mut matched = [0u32; MAX_SLOTS];
-        let mut alive = u64::MAX;
-        for (depth, key) in keys.iter().enumerate() {
-            let here = self.entries.get(key).map_or(0, |e| e.holders) & alive;
-            let mut gone = alive & !here;
-            while gone != 0 {
-                let slot = gone.trailing_zeros() as usize;
-                if let Some(m) = matched.get_mut(slot) {
-                    *m = depth as u32;
-                }
-                gone &= gone - 1;
-            }
-            alive = here;
-            if alive == 0 {
-                return matched;
-            }
-        }
-        let mut rest = alive;
-        while rest != 0 {
-            let slot = rest.trailing_zeros() as usize;
-            if let Some(m) = matched.get_mut(slot) {
-                *m = keys.len() as u32;
-            }
-            rest &= rest - 1;
-        }
-        matched
+    pub fn longest_prefixes(&self, keys: &[TextKey]) -> [u32; MAX_SLOTS] {
+        longest_prefixes_by(keys.iter().map(|k| k.0), |key| {
+            self.entries.get(&key).map_or(0, |e| e.holders)
+        })
     }
 
     /// Forgets `slot` (its endpoint was removed).
@@ -102,15 +80,16 @@ mod tests {
     #[test]
     fn remembers_routed_prefixes_and_forgets_the_least_recent() {
         let (a, b) = (Slot::new(0).unwrap(), Slot::new(1).unwrap());
+        let keys = |k: &[u64]| k.iter().copied().map(TextKey).collect::<Vec<_>>();
         let mut history = History::new(4);
-        history.record(a, &[1, 2, 3]);
-        history.record(b, &[1, 9]);
-        let m = history.longest_prefixes(&[1, 2, 3]);
+        history.record(a, &keys(&[1, 2, 3]));
+        history.record(b, &keys(&[1, 9]));
+        let m = history.longest_prefixes(&keys(&[1, 2, 3]));
         assert_eq!((m[0], m[1]), (3, 1));
         // Touching 1 and 9 again, then a new key, evicts 2 (least recently touched).
-        history.record(b, &[1, 9, 10]);
-        assert_eq!(history.longest_prefixes(&[1, 2, 3])[0], 1);
+        history.record(b, &keys(&[1, 9, 10]));
+        assert_eq!(history.longest_prefixes(&keys(&[1, 2, 3]))[0], 1);
         history.forget_slot(b);
-        assert_eq!(history.longest_prefixes(&[1, 9])[1], 0);
+        assert_eq!(history.longest_prefixes(&keys(&[1, 9]))[1], 0);
     }
 }

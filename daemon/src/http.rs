@@ -12,7 +12,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::json;
 
-use crate::state::{Daemon, LookupRequest};
+use kvaffine_core::protocol::{self, LookupRequest, v1};
+
+use crate::state::Daemon;
 
 /// Why an API call failed; the one place that picks status codes.
 #[derive(Debug, thiserror::Error)]
@@ -52,7 +54,8 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
     // A u64 in JSON is at most 20 digits and a comma.
     let body_limit = daemon.settings.max_keys.saturating_mul(21) + 64 * 1024;
     let api = Router::new()
-        .route("/v1/lookup", post(lookup))
+        .route(protocol::LOOKUP_PATH, post(lookup))
+        .route(v1::LOOKUP_PATH, post(lookup_v1))
         .route("/v1/endpoints", get(endpoints))
         .route_layer(axum::middleware::from_fn_with_state(
             daemon.clone(),
@@ -89,11 +92,12 @@ async fn authorize(
     }
 }
 
-async fn lookup(
-    State(daemon): State<Arc<Daemon>>,
+/// Reads a lookup body of either protocol, within `--max-keys`.
+fn read_lookup<T: serde::de::DeserializeOwned>(
+    daemon: &Daemon,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let started = Instant::now();
+    keys: impl Fn(&T) -> usize,
+) -> Result<T, ApiError> {
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::TooLarge(format!(
@@ -104,16 +108,44 @@ async fn lookup(
             ApiError::Body(rejection.body_text())
         }
     })?;
-    let request: LookupRequest =
+    let request: T =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    if request.keys.len() > daemon.settings.max_keys {
+    if keys(&request) > daemon.settings.max_keys {
         return Err(ApiError::TooLarge(format!(
             "{} keys exceed --max-keys {}",
-            request.keys.len(),
+            keys(&request),
             daemon.settings.max_keys
         )));
     }
-    let answer = daemon.lookup(&request, Instant::now());
+    Ok(request)
+}
+
+/// `POST /v2/lookup`: the top candidates only.
+async fn lookup(
+    State(daemon): State<Arc<Daemon>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let request: LookupRequest = read_lookup(&daemon, body, |r: &LookupRequest| r.query.len())?;
+    let (ranking, booked) = daemon.lookup(&request, Instant::now());
+    let answer = ranking.answer(request.candidates, booked);
+    daemon
+        .metrics
+        .lookup_seconds
+        .observe(started.elapsed().as_secs_f64());
+    Ok(axum::Json(answer).into_response())
+}
+
+/// `POST /v1/lookup`: protocol 1, every endpoint's record (older filters, and people).
+async fn lookup_v1(
+    State(daemon): State<Arc<Daemon>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let request: v1::Request = read_lookup(&daemon, body, |r: &v1::Request| r.keys.len())?;
+    let request = request.into_current();
+    let (ranking, booked) = daemon.lookup(&request, Instant::now());
+    let answer = ranking.into_v1(booked);
     daemon
         .metrics
         .lookup_seconds

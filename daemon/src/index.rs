@@ -133,33 +133,16 @@ impl PrefixIndex {
 
     /// For every slot, how many of `keys` it holds contiguously from `keys[0]` in `medium`.
     pub fn longest_prefixes(&self, medium: &str, keys: &[u64]) -> [u32; MAX_SLOTS] {
-        self.longest_prefixes_with(medium, keys, |_| 0)
+        let tier = self.tiers.get(medium);
+        longest_prefixes_by(keys.iter().copied(), |key| {
+            tier.and_then(|h| h.get(&key)).copied().unwrap_or(0)
+        })
     }
 
-    /// As [`Self::longest_prefixes`], counting a key as held by the slots `extra(key)`
-    /// names too (booked but not yet confirmed).
-    pub fn longest_prefixes_with(
-        &self,
-        medium: &str,
-        keys: &[u64],
-        extra: impl Fn(u64) -> u64,
-    ) -> [u32; MAX_SLOTS] {
-        let mut matched = [0u32; MAX_SLOTS];
-        let holders = self.tiers.get(medium);
-        let mut alive = u64::MAX;
-        let mut depth = 0u32;
-        for &key in keys {
-            let indexed = holders.and_then(|h| h.get(&key)).copied().unwrap_or(0);
-            let here = (indexed | extra(key)) & alive;
-            record(&mut matched, alive & !here, depth);
-            alive = here;
-            if alive == 0 {
-                return matched;
-            }
-            depth += 1;
-        }
-        record(&mut matched, alive, depth);
-        matched
+    /// The `medium` tier's holder sets, for walks that add holders of their own.
+    pub fn tier(&self, medium: &str) -> impl Fn(u64) -> u64 + '_ {
+        let tier = self.tiers.get(medium);
+        move |key| tier.and_then(|h| h.get(&key)).copied().unwrap_or(0)
     }
 
     /// The tiers that have held blocks.
@@ -186,6 +169,30 @@ impl PrefixIndex {
             })
             .sum()
     }
+}
+
+/// For every slot, how many of `keys` it holds contiguously from the first, where
+/// `holders(key)` is the set of slots holding `key`: the one walk every index (KV events,
+/// bookings over them, the approximate history) is asked through. One probe per key,
+/// intersecting 64-bit holder sets, stopping when no slot still matches.
+pub fn longest_prefixes_by(
+    keys: impl IntoIterator<Item = u64>,
+    holders: impl Fn(u64) -> u64,
+) -> [u32; MAX_SLOTS] {
+    let mut matched = [0u32; MAX_SLOTS];
+    let mut alive = u64::MAX;
+    let mut depth = 0u32;
+    for key in keys {
+        let here = holders(key) & alive;
+        record(&mut matched, alive & !here, depth);
+        alive = here;
+        if alive == 0 {
+            return matched;
+        }
+        depth += 1;
+    }
+    record(&mut matched, alive, depth);
+    matched
 }
 
 /// Sets `matched[slot] = depth` for every slot in `slots`.

@@ -33,6 +33,13 @@ pub struct ModeLabel {
     pub mode: String,
 }
 
+/// Labels of the lookup series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Why the first-ranked endpoint is first (`kvaffine_core::Reason`'s spelling).
+    pub reason: &'static str,
+}
+
 /// Every series the daemon exports.
 pub struct Metrics {
     /// The registry `/metrics` renders.
@@ -67,6 +74,8 @@ pub struct Metrics {
     pub incomplete: Family<EndpointLabel, Gauge>,
     /// API requests refused for a missing or wrong bearer token.
     pub unauthorized: Counter,
+    /// Lookups answered, by the reason of their ranking.
+    pub lookups: Family<ReasonLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -88,6 +97,12 @@ impl Default for Metrics {
         let misconfigured = Family::<EndpointLabel, Gauge>::default();
         let incomplete = Family::<EndpointLabel, Gauge>::default();
         let unauthorized = Counter::default();
+        let lookups = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "lookups",
+            "Lookups answered, by why the first-ranked endpoint is first",
+            lookups.clone(),
+        );
         registry.register(
             "events_applied",
             "KV events applied to the index",
@@ -176,11 +191,21 @@ impl Default for Metrics {
             misconfigured,
             incomplete,
             unauthorized,
+            lookups,
         }
     }
 }
 
 impl Metrics {
+    /// Counts a lookup ranked for `reason`.
+    pub fn count_lookup(&self, reason: kvaffine_core::Reason) {
+        self.lookups
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();

@@ -112,10 +112,10 @@ impl Fleet {
         }
         let discovered: Vec<EndpointSpec> =
             self.last_good.lock().values().flatten().cloned().collect();
-        self.reconcile(&discovered)
+        self.reconcile(&discovered).await
     }
 
-    fn reconcile(&self, discovered: &[EndpointSpec]) -> anyhow::Result<()> {
+    async fn reconcile(&self, discovered: &[EndpointSpec]) -> anyhow::Result<()> {
         let mut wanted: Vec<EndpointSpec> = Vec::new();
         for spec in self.flag_endpoints.iter().chain(discovered) {
             match wanted
@@ -134,7 +134,7 @@ impl Fleet {
         }
         let current: Vec<Arc<Endpoint>> = self.daemon.endpoints.read().clone();
         for endpoint in current.iter().filter(|e| !wanted.contains(&e.spec)) {
-            self.remove(endpoint);
+            self.remove(endpoint).await;
         }
         for spec in wanted {
             if !current.iter().any(|e| e.spec == spec) {
@@ -163,10 +163,12 @@ impl Fleet {
                 ..EndpointStatus::default()
             }),
             stop: AtomicBool::new(false),
+            ingest: Mutex::new(None),
         });
         self.daemon.endpoints.write().push(endpoint.clone());
-        crate::ingest::spawn(self.daemon.clone(), endpoint.clone())
+        let ingest = crate::ingest::spawn(self.daemon.clone(), endpoint.clone())
             .context("cannot start an ingest thread")?;
+        *endpoint.ingest.lock() = Some(ingest);
         // A replica's ranks share one /metrics: its rank-0 stream scrapes it.
         if endpoint.spec.rank == 0 {
             tokio::spawn(crate::scrape::run(
@@ -178,16 +180,29 @@ impl Fleet {
         Ok(())
     }
 
-    fn remove(&self, endpoint: &Arc<Endpoint>) {
+    /// Stops following `endpoint` and frees its slot. Its ingest thread may be applying a
+    /// batch right now: it is joined before the slot's blocks are purged, so nothing it
+    /// applies late can count for the next endpoint given the slot.
+    async fn remove(&self, endpoint: &Arc<Endpoint>) {
         info!(endpoint = %endpoint.label.endpoint, "no longer configured: purging its blocks");
         endpoint.stop.store(true, Ordering::Relaxed);
         self.daemon
             .endpoints
             .write()
             .retain(|e| !Arc::ptr_eq(e, endpoint));
+        let ingest = endpoint.ingest.lock().take();
+        if let Some(ingest) = ingest {
+            if tokio::task::spawn_blocking(move || ingest.join())
+                .await
+                .is_err()
+            {
+                warn!(endpoint = %endpoint.label.endpoint, "its ingest thread could not be joined");
+            }
+        }
         self.daemon.index.write().purge(endpoint.slot);
-        self.daemon.bookings.lock().forget_slot(endpoint.slot);
-        self.daemon.history.lock().forget_slot(endpoint.slot);
+        self.daemon.bookings.write().forget_slot(endpoint.slot);
+        self.daemon.backlogs.lock().forget_slot(endpoint.slot);
+        self.daemon.history.write().forget_slot(endpoint.slot);
         let metrics = &self.daemon.metrics;
         metrics.incomplete.remove(&endpoint.label);
         metrics.misconfigured.remove(&endpoint.label);

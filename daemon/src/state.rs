@@ -1,18 +1,20 @@
-//! The daemon's shared state, and the one read path everything serves: lookup.
+//! The daemon's shared state, and the one read path everything serves: lookup, a
+//! read-only [ranking](Daemon::rank) and a separate [booking](Daemon::book) step.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use kvaffine_core::{Candidate, Load};
+use kvaffine_core::protocol::{self, LookupAnswer, LookupRequest, Query};
+use kvaffine_core::{Candidate, Load, Reason};
 use parking_lot::{Mutex, RwLock};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::bookings::Bookings;
+use crate::bookings::{Backlogs, Bookings};
 use crate::config::{EndpointSpec, Settings};
 use crate::history::History;
-use crate::index::{GPU, MAX_SLOTS, PrefixIndex, Slot};
+use crate::index::{GPU, MAX_SLOTS, PrefixIndex, Slot, longest_prefixes_by};
 use crate::metrics::{EndpointLabel, Metrics};
 
 /// Everything the ingest threads, scrapers and HTTP handlers share.
@@ -21,10 +23,12 @@ pub struct Daemon {
     pub settings: Settings,
     /// The prefix index.
     pub index: RwLock<PrefixIndex>,
-    /// Live bookings.
-    pub bookings: Mutex<Bookings>,
+    /// Live bookings of precise lookups.
+    pub bookings: RwLock<Bookings>,
+    /// The prefill every pick queued on its replica.
+    pub backlogs: Mutex<Backlogs>,
     /// Where approximate (text-derived) keys were routed.
-    pub history: Mutex<History>,
+    pub history: RwLock<History>,
     /// Followed endpoints, in the order they were added.
     pub endpoints: RwLock<Vec<Arc<Endpoint>>>,
     /// Exported metrics.
@@ -49,6 +53,8 @@ pub struct Endpoint {
     pub status: Mutex<EndpointStatus>,
     /// Set to stop its ingest thread and scraper.
     pub stop: AtomicBool,
+    /// Its ingest thread, joined when the endpoint is removed.
+    pub ingest: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Load as last scraped from the replica's `/metrics`.
@@ -96,35 +102,8 @@ pub struct EndpointStatus {
     pub last_decode_error: Option<String>,
 }
 
-/// `POST /v1/lookup`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LookupRequest {
-    /// The request's block keys (event form), block 0 first.
-    pub keys: Vec<u64>,
-    /// Only endpoints serving this model (or not yet known to serve another) are ranked.
-    #[serde(default)]
-    pub model: Option<String>,
-    /// Book the first-ranked endpoint for these keys.
-    #[serde(default)]
-    pub book: Option<BookRequest>,
-    /// The keys are text-derived (the filter's approximate mode): match them against
-    /// where earlier requests were routed, not against KV events.
-    #[serde(default)]
-    pub approximate: bool,
-}
-
-/// The booking part of a lookup.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BookRequest {
-    /// Lifetime in milliseconds (default: `--booking-ttl-ms`).
-    #[serde(default)]
-    pub ttl_ms: Option<u64>,
-}
-
-/// One endpoint in a lookup answer.
-#[derive(Debug, Serialize)]
+/// One endpoint in a ranking, as `/v1/lookup` answers it.
+#[derive(Clone, Debug, Serialize)]
 pub struct EndpointMatch {
     /// `HOST:PORT`.
     pub endpoint: String,
@@ -155,7 +134,7 @@ pub struct EndpointMatch {
     pub alignment: &'static str,
 }
 
-/// `POST /v1/lookup` answer.
+/// `POST /v1/lookup` answer (protocol 1: every endpoint's whole record).
 #[derive(Debug, Serialize)]
 pub struct LookupResponse {
     /// Every known endpoint.
@@ -165,10 +144,66 @@ pub struct LookupResponse {
     /// `complete` when every endpoint's index is, else `incomplete`.
     pub index: &'static str,
     /// Why the first ranked endpoint is first.
-    pub reason: &'static str,
+    pub reason: Reason,
     /// The endpoint booked, when booking was asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub booked: Option<String>,
+}
+
+/// A lookup's ranking, before anything is booked.
+pub struct Ranking {
+    /// One record per replica (its data-parallel ranks merged).
+    pub endpoints: Vec<EndpointMatch>,
+    /// For each record, the slot of its best-matching rank (the one a booking goes to).
+    best_slot: Vec<Slot>,
+    /// Records serving the request's model, best first.
+    pub order: Vec<usize>,
+    /// Why the first is first.
+    pub reason: Reason,
+    /// Every endpoint's index is complete.
+    pub complete: bool,
+}
+
+impl Ranking {
+    /// The protocol-2 answer: the first `candidates` only.
+    pub fn answer(&self, candidates: usize, booked: Option<String>) -> LookupAnswer {
+        LookupAnswer {
+            candidates: self
+                .order
+                .iter()
+                .take(candidates)
+                .filter_map(|&i| self.endpoints.get(i))
+                .map(|e| protocol::Candidate {
+                    endpoint: e.endpoint.clone(),
+                    matched_blocks: e.indexed_blocks,
+                })
+                .collect(),
+            reason: self.reason,
+            complete: self.complete,
+            booked,
+        }
+    }
+
+    /// The protocol-1 answer: every record.
+    pub fn into_v1(self, booked: Option<String>) -> LookupResponse {
+        let ranked = self
+            .order
+            .iter()
+            .filter_map(|&i| self.endpoints.get(i))
+            .map(|e| e.endpoint.clone())
+            .collect();
+        LookupResponse {
+            endpoints: self.endpoints,
+            ranked,
+            index: if self.complete {
+                "complete"
+            } else {
+                "incomplete"
+            },
+            reason: self.reason,
+            booked,
+        }
+    }
 }
 
 impl EndpointMatch {
@@ -201,12 +236,13 @@ impl Daemon {
     pub fn with_auth(settings: Settings, auth: Option<crate::auth::ApiTokens>) -> Self {
         let index = PrefixIndex::new(settings.max_entries);
         let history = History::new(settings.max_entries.min(10_000_000));
-        let bookings = Bookings::new(settings.prefill_tokens_per_second);
+        let backlogs = Backlogs::new(settings.prefill_tokens_per_second);
         Self {
             settings,
             index: RwLock::new(index),
-            bookings: Mutex::new(bookings),
-            history: Mutex::new(history),
+            bookings: RwLock::new(Bookings::default()),
+            backlogs: Mutex::new(backlogs),
+            history: RwLock::new(history),
             endpoints: RwLock::new(Vec::new()),
             metrics: Metrics::default(),
             zmq: zmq::Context::new(),
@@ -231,32 +267,40 @@ impl Daemon {
         })
     }
 
-    /// Answers a lookup, booking the pick if asked.
-    pub fn lookup(&self, request: &LookupRequest, now: Instant) -> LookupResponse {
+    /// Ranks the endpoints for a request, changing nothing: lookups run side by side
+    /// under read locks.
+    pub fn rank(&self, request: &LookupRequest, now: Instant) -> Ranking {
         let endpoints = self.endpoints.read().clone();
-        let mut bookings = self.bookings.lock();
-        bookings.expire(now);
-        let (matched, indexed, other_tiers) = if request.approximate {
-            let routed = self.history.lock().longest_prefixes(&request.keys);
-            (routed, routed, Vec::new())
-        } else {
-            let index = self.index.read();
-            let matched = if bookings.is_empty() {
-                None
-            } else {
-                Some(index.longest_prefixes_with(GPU, &request.keys, |k| bookings.holders(k)))
-            };
-            let indexed = index.longest_prefixes(GPU, &request.keys);
-            let tiers: Vec<(String, [u32; MAX_SLOTS])> = index
-                .media()
-                .filter(|m| *m != GPU)
-                .map(|m| (m.to_owned(), index.longest_prefixes(m, &request.keys)))
-                .collect();
-            (matched.unwrap_or(indexed), indexed, tiers)
+        let (matched, indexed, other_tiers) = match &request.query {
+            Query::Text(keys) => {
+                let routed = self.history.read().longest_prefixes(keys);
+                (routed, routed, Vec::new())
+            }
+            Query::Blocks(keys) => {
+                if self.bookings.read().has_expired(now) {
+                    self.bookings.write().expire(now);
+                }
+                let keys = || keys.iter().map(|k| k.0);
+                let index = self.index.read();
+                let indexed = longest_prefixes_by(keys(), index.tier(GPU));
+                let bookings = self.bookings.read();
+                let matched = if bookings.is_empty() {
+                    indexed
+                } else {
+                    let gpu = index.tier(GPU);
+                    longest_prefixes_by(keys(), |k| gpu(k) | bookings.holders(k))
+                };
+                let tiers: Vec<(String, [u32; MAX_SLOTS])> = index
+                    .media()
+                    .filter(|m| *m != GPU)
+                    .map(|m| (m.to_owned(), longest_prefixes_by(keys(), index.tier(m))))
+                    .collect();
+                (matched, indexed, tiers)
+            }
         };
-        let pending = bookings.pending_tokens(now);
-        // One answer per replica: its data-parallel ranks' streams merge into it.
-        let mut answers: Vec<EndpointMatch> = Vec::with_capacity(endpoints.len());
+        let pending = self.backlogs.lock().pending_tokens(now);
+        // One record per replica: its data-parallel ranks' streams merge into it.
+        let mut records: Vec<EndpointMatch> = Vec::with_capacity(endpoints.len());
         let mut best_slot: Vec<Slot> = Vec::with_capacity(endpoints.len());
         let mut models: Vec<Option<String>> = Vec::with_capacity(endpoints.len());
         for endpoint in &endpoints {
@@ -283,14 +327,14 @@ impl Daemon {
                 reachable: status.scrape_error.is_none(),
                 alignment: status.alignment,
             };
-            match answers.iter().position(|a| a.endpoint == stream.endpoint) {
+            match records.iter().position(|a| a.endpoint == stream.endpoint) {
                 None => {
-                    answers.push(stream);
+                    records.push(stream);
                     best_slot.push(endpoint.slot);
                     models.push(status.model.clone());
                 }
                 Some(i) => {
-                    if let (Some(merged), Some(best)) = (answers.get_mut(i), best_slot.get_mut(i)) {
+                    if let (Some(merged), Some(best)) = (records.get_mut(i), best_slot.get_mut(i)) {
                         if stream.matched_blocks > merged.matched_blocks {
                             *best = endpoint.slot;
                         }
@@ -299,73 +343,79 @@ impl Daemon {
                 }
             }
         }
-        let complete = answers.iter().all(|a| a.complete);
-        let mut candidates = Vec::with_capacity(answers.len());
-        let mut rankable = Vec::with_capacity(answers.len());
-        for (i, (answer, model)) in answers.iter().zip(&models).enumerate() {
-            let serves_model = match (&request.model, model) {
-                (Some(wanted), Some(served)) => wanted == served,
+        let rankable: Vec<usize> = (0..records.len())
+            .filter(|&i| match (&request.model, models.get(i)) {
+                (Some(wanted), Some(Some(served))) => wanted == served,
                 _ => true,
-            };
-            if serves_model {
-                rankable.push(i);
-                candidates.push(Candidate {
-                    matched_blocks: answer.matched_blocks as usize,
-                    load: Load {
-                        running: answer.running,
-                        waiting: answer.waiting,
-                        kv_cache_usage: answer.kv_cache_usage,
-                        pending_prefill_tokens: answer.pending_prefill_tokens,
-                    },
-                    usable: answer.reachable,
-                });
-            }
-        }
+            })
+            .collect();
+        let candidates: Vec<Candidate> = rankable
+            .iter()
+            .filter_map(|&i| records.get(i))
+            .map(|record| Candidate {
+                matched_blocks: record.matched_blocks as usize,
+                load: Load {
+                    running: record.running,
+                    waiting: record.waiting,
+                    kv_cache_usage: record.kv_cache_usage,
+                    pending_prefill_tokens: record.pending_prefill_tokens,
+                },
+                usable: record.reachable,
+            })
+            .collect();
         let turn = self
             .lookups
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (order, reason) = self
             .settings
             .policy
-            .rank(request.keys.len(), &candidates, turn);
-        let ranked: Vec<String> = order
-            .iter()
-            .filter_map(|&i| rankable.get(i))
-            .filter_map(|&a| answers.get(a))
-            .map(|a| a.endpoint.clone())
-            .collect();
-        let mut booked = None;
-        if let (Some(book), Some(&first)) = (&request.book, order.first()) {
-            let winner = rankable
-                .get(first)
-                .and_then(|&a| Some((answers.get(a)?, *best_slot.get(a)?)));
-            if let (Some((answer, slot)), Some(candidate)) = (winner, candidates.get(first)) {
-                let block_size = self.settings.keys.block_size() as u64;
-                // The prefill this request queues on its replica, in uncached-token
-                // equivalents: its uncached tokens, its cached ones at their lower cost, and
-                // the fixed cost of a request.
-                let held = candidate.matched_blocks.min(request.keys.len()) as u64 * block_size;
-                let uncached =
-                    request.keys.len().saturating_sub(candidate.matched_blocks) as u64 * block_size;
-                let work = uncached
-                    + (held as f64 * self.settings.policy.cached_token_cost) as u64
-                    + self.settings.request_overhead_tokens;
-                let ttl = book
+            .rank(request.query.len(), &candidates, turn);
+        Ranking {
+            complete: records.iter().all(|a| a.complete),
+            order: order
+                .into_iter()
+                .filter_map(|i| rankable.get(i).copied())
+                .collect(),
+            endpoints: records,
+            best_slot,
+            reason,
+        }
+    }
+
+    /// Books the ranking's pick, if the request asks for it: its prefill joins the
+    /// replica's backlog, and its keys count as held there (block keys until its events
+    /// confirm them; text keys in the approximate history). Returns the endpoint booked.
+    pub fn book(&self, request: &LookupRequest, ranking: &Ranking, now: Instant) -> Option<String> {
+        let booking = request.book?;
+        let first = *ranking.order.first()?;
+        let (record, slot) = (
+            ranking.endpoints.get(first)?,
+            *ranking.best_slot.get(first)?,
+        );
+        let work = self
+            .settings
+            .policy
+            .prefill_work(request.query.len(), record.matched_blocks as usize)
+            as u64
+            + self.settings.request_overhead_tokens;
+        self.backlogs.lock().add(slot, work, now);
+        match &request.query {
+            Query::Blocks(keys) => {
+                let ttl = booking
                     .ttl_ms
                     .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
-                bookings.book(slot, &request.keys, work, now, ttl);
-                if request.approximate {
-                    self.history.lock().record(slot, &request.keys);
-                }
-                booked = Some(answer.endpoint.clone());
+                self.bookings.write().book(slot, keys, now + ttl);
             }
+            Query::Text(keys) => self.history.write().record(slot, keys),
         }
-        LookupResponse {
-            endpoints: answers,
-            ranked,
-            index: if complete { "complete" } else { "incomplete" },
-            reason: reason.as_str(),
-            booked,
-        }
+        Some(record.endpoint.clone())
+    }
+
+    /// Ranks, then books if asked, counting the outcome.
+    pub fn lookup(&self, request: &LookupRequest, now: Instant) -> (Ranking, Option<String>) {
+        let ranking = self.rank(request, now);
+        let booked = self.book(request, &ranking, now);
+        self.metrics.count_lookup(ranking.reason);
+        (ranking, booked)
     }
 }

@@ -278,6 +278,71 @@ fn removals_cache_resets_and_config_changes_are_applied() {
 }
 
 #[test]
+fn an_endpoint_removed_under_event_traffic_leaves_nothing_for_the_next_in_its_slot() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    let dir = std::env::temp_dir().join(format!("kvaffined-slots-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("endpoints.json");
+    let (a, b) = (
+        json!({"endpoint": A, "events": pa.endpoint()}),
+        json!({"endpoint": B, "events": pb.endpoint()}),
+    );
+    let follow = |entries: serde_json::Value| {
+        let next = dir.join("next.json");
+        std::fs::write(&next, json!({ "endpoints": entries }).to_string()).unwrap();
+        std::fs::rename(&next, &config).unwrap();
+    };
+    follow(json!([a]));
+    let daemon = DaemonProcess::start(&["--config", config.to_str().unwrap()]);
+    daemon.wait_ready();
+    // A publishes fresh blocks without pause, followed or not.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut seed = 1_000;
+            while !stop.load(Ordering::Relaxed) {
+                pa.publish(&batch(vec![stored(&prompt(seed, 4), 0, own)]))
+                    .unwrap();
+                seed += 1;
+                std::thread::sleep(std::time::Duration::from_micros(500));
+            }
+        })
+    };
+    let listed = |name: &str| {
+        let (_, value) = daemon.json("GET", "/v1/endpoints", "");
+        let endpoints = value["endpoints"].as_array().unwrap().clone();
+        endpoints.len() == 1 && endpoints[0]["endpoint"] == name
+    };
+    for round in 0..6 {
+        follow(json!([a]));
+        wait_for(&format!("A followed, round {round}"), || {
+            listed(A) && daemon.metric("kvaffined_index_entries") > 0.0
+        });
+        // B takes A's slot the moment A is gone.
+        follow(json!([b]));
+        wait_for("B alone", || listed(B));
+        assert_eq!(
+            daemon.metric("kvaffined_index_entries"),
+            0.0,
+            "round {round}: blocks A's ingest applied after its removal count for B"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    let own_blocks = prompt(77, 3);
+    pb.publish(&batch(vec![stored(&own_blocks, 0, own)]))
+        .unwrap();
+    wait_for("B's own blocks", || {
+        daemon.matched(&keys(&own_blocks), B) == 3
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_booking_holds_a_fresh_prefix_for_its_siblings_until_it_expires() {
     let ctx = zmq::Context::new();
     let (pa, pb) = (publisher(&ctx), publisher(&ctx));

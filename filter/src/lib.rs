@@ -4,7 +4,8 @@
 //! replica's `/tokenize` for the exact tokens; compute vLLM's block keys; ask `kvaffined`
 //! which replica holds the longest prefix; pin it; resume. Every failure resumes the
 //! request unpinned, so routing can lose affinity but never a request. Decisions are
-//! made in `kvaffine_core::route`; this crate only moves bytes between it and the host.
+//! made in `kvaffine_core`; this crate holds what is the gateway's (its configuration's
+//! clusters and headers, Envoy against Kong) and moves bytes between core and the host.
 //!
 //! Host calls go through `proxy_wasm::hostcalls`, which return `Result`s for the statuses
 //! a host documents; a few (header setters, `set_property`, resume) still panic on any
@@ -12,21 +13,31 @@
 //! makes those calls with arguments it has checked (endpoints are `host:port` with a
 //! numeric port before they are pinned), while the request's headers are still held.
 
+// Natively (the docs generator, unit tests) only the configuration is used; the rest runs
+// in the gateway's Wasm VM.
+#![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+
+pub mod config;
 mod stats;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
-use kvaffine_core::DigestCache;
-use kvaffine_core::route::{self, Action as Step, Api, Host, Mode, Plan, Router};
+use kvaffine_core::api::Api;
+use kvaffine_core::config::{Mode, Router};
+use kvaffine_core::plan::{self, Action as Step, Plan};
+use kvaffine_core::protocol::{self, Booking, LookupRequest, Pick, Query, v1};
+use kvaffine_core::{DigestCache, Reason, tokens};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
-use stats::{Outcome, Stats};
+use config::{FilterConfig, Host};
+use stats::Stats;
 
 // The SDK's entry point (`_initialize`): registers the root context.
+#[cfg(target_arch = "wasm32")]
 #[allow(missing_docs)]
 mod entry {
     use super::*;
@@ -49,11 +60,18 @@ const METADATA_NAMESPACE: &str = "kvaffine";
 /// conversations of one worker.
 const DIGEST_CACHE_BLOCKS: usize = 65_536;
 
+/// After a daemon answers `/v2/lookup` with 404 (it speaks protocol 1 only), lookups use
+/// `/v1/lookup` for this long before protocol 2 is tried again (the daemon may have been
+/// upgraded meanwhile).
+const PROTOCOL_1_RECHECK: Duration = Duration::from_secs(300);
+
 #[derive(Default)]
 struct Root {
-    router: Option<Rc<Router>>,
+    config: Option<Rc<FilterConfig>>,
     stats: Option<Rc<Stats>>,
     digests: Option<Rc<RefCell<DigestCache>>>,
+    /// Until when the index is known to speak protocol 1 only.
+    protocol_1_until: Rc<Cell<Option<SystemTime>>>,
 }
 
 impl Context for Root {}
@@ -80,9 +98,9 @@ impl RootContext for Root {
                 return false;
             }
         };
-        match Router::from_json(&bytes) {
-            Ok(router) => {
-                self.router = Some(Rc::new(router));
+        match FilterConfig::from_json(&bytes) {
+            Ok(config) => {
+                self.config = Some(Rc::new(config));
                 self.stats = Some(Rc::new(Stats::define()));
                 self.digests = Some(Rc::new(RefCell::new(DigestCache::new(
                     DIGEST_CACHE_BLOCKS,
@@ -98,11 +116,12 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let (router, stats) = (self.router.clone()?, self.stats.clone()?);
+        let (config, stats) = (self.config.clone()?, self.stats.clone()?);
         Some(Box::new(Request {
-            router,
+            config,
             stats,
             digests: self.digests.clone()?,
+            protocol_1_until: self.protocol_1_until.clone(),
             phase: Phase::Idle,
             started: None,
             mode: Mode::Precise,
@@ -130,22 +149,35 @@ enum Phase {
         body: Vec<u8>,
         since: SystemTime,
     },
-    /// Waiting for the index.
-    LookingUp { token: u32, since: SystemTime },
+    /// Waiting for the index (the lookup is kept to ask again in protocol 1).
+    LookingUp {
+        token: u32,
+        since: SystemTime,
+        request: LookupRequest,
+        protocol: Protocol,
+    },
+}
+
+/// The lookup protocol a callout speaks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    V1,
+    V2,
 }
 
 /// What happened to the request, for the response headers.
 struct Decision {
     endpoint: Option<String>,
     matched_blocks: u64,
-    reason: &'static str,
-    mode: &'static str,
+    reason: Reason,
+    mode: Mode,
 }
 
 struct Request {
-    router: Rc<Router>,
+    config: Rc<FilterConfig>,
     stats: Rc<Stats>,
     digests: Rc<RefCell<DigestCache>>,
+    protocol_1_until: Rc<Cell<Option<SystemTime>>>,
     phase: Phase,
     started: Option<SystemTime>,
     mode: Mode,
@@ -176,15 +208,6 @@ fn request_header(name: &str) -> Option<Vec<u8>> {
         .flatten()
 }
 
-fn mode_name(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Precise => "precise",
-        Mode::Approximate => "approximate",
-        Mode::Load => "load",
-        Mode::Off => "off",
-    }
-}
-
 /// A per-route mode from route metadata (`filter_metadata.kvaffine.mode`), if set.
 fn route_mode() -> Option<Mode> {
     let path = vec![
@@ -195,33 +218,31 @@ fn route_mode() -> Option<Mode> {
         "mode",
     ];
     let value = hostcalls::get_property(path).ok().flatten()?;
-    match value.as_slice() {
-        b"precise" => Some(Mode::Precise),
-        b"approximate" => Some(Mode::Approximate),
-        b"load" => Some(Mode::Load),
-        b"off" => Some(Mode::Off),
-        _ => None,
-    }
+    Mode::parse(&value)
 }
 
 impl Request {
-    fn config(&self) -> &route::FilterConfig {
-        &self.router.config
+    fn gateway(&self) -> &config::GatewayConfig {
+        &self.config.gateway
     }
 
-    /// Ends routing for this request without a pick.
-    fn unpinned(&mut self, outcome: Outcome, mode: &'static str) {
-        self.stats.count(outcome);
-        self.record_unpinned(outcome, mode);
+    fn router(&self) -> &Router {
+        &self.config.router
+    }
+
+    /// Ends routing for this request without a pick, counting why.
+    fn unpinned(&mut self, reason: Reason) {
+        self.stats.count(reason);
+        self.record_unpinned(reason);
     }
 
     /// Records an unpinned decision already counted.
-    fn record_unpinned(&mut self, outcome: Outcome, mode: &'static str) {
+    fn record_unpinned(&mut self, reason: Reason) {
         self.outcome = Some(Decision {
             endpoint: None,
             matched_blocks: 0,
-            reason: outcome.reason(),
-            mode,
+            reason,
+            mode: self.mode,
         });
         self.phase = Phase::Idle;
     }
@@ -229,7 +250,7 @@ impl Request {
     fn clear_route_cache(&self) {
         // Envoy re-matches the route after header changes; Kong routes before Wasm runs
         // and has no route cache to clear.
-        if self.config().host == Host::Envoy {
+        if self.gateway().host == Host::Envoy {
             let _ = hostcalls::call_foreign_function("clear_route_cache", None);
         }
     }
@@ -262,34 +283,57 @@ impl Request {
         if let Some(authorization) = &authorization {
             headers.push(("authorization", authorization));
         }
-        let timeout = Duration::from_millis(self.config().timeout_ms);
+        let timeout = Duration::from_millis(self.gateway().timeout_ms);
         hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).ok()
     }
 
-    /// Asks the index; true if the callout is in flight.
-    fn lookup(&mut self, keys: &[u64], approximate: bool) -> bool {
-        let body = route::lookup_body(&self.router, keys, self.model.as_deref(), approximate);
-        let config = self.config();
-        let authority = config
-            .index_authority
-            .clone()
-            .unwrap_or_else(|| config.index_cluster.clone());
+    /// Asks the index about `query`; true if the callout is in flight.
+    fn lookup(&mut self, query: Query) -> bool {
+        let routing = &self.router().config;
+        let request = LookupRequest {
+            query,
+            model: self.model.clone(),
+            book: routing.book.then(Booking::default),
+            candidates: 1 + routing.fallbacks,
+        };
+        let protocol_1 = self
+            .protocol_1_until
+            .get()
+            .is_some_and(|until| now() < until);
+        self.send_lookup(
+            request,
+            if protocol_1 {
+                Protocol::V1
+            } else {
+                Protocol::V2
+            },
+        )
+    }
+
+    fn send_lookup(&mut self, request: LookupRequest, protocol: Protocol) -> bool {
+        let (path, body) = match protocol {
+            Protocol::V2 => (protocol::LOOKUP_PATH, request.to_json()),
+            Protocol::V1 => (v1::LOOKUP_PATH, v1::Request::from(&request).to_json()),
+        };
+        let gateway = self.gateway();
         match self.callout(
-            &config.index_cluster,
-            &authority,
-            "/v1/lookup",
+            &gateway.index_cluster,
+            gateway.index_authority(),
+            path,
             &body,
-            config.index_token.as_deref(),
+            gateway.index_token.as_deref(),
         ) {
             Some(token) => {
                 self.phase = Phase::LookingUp {
                     token,
                     since: now(),
+                    request,
+                    protocol,
                 };
                 true
             }
             None => {
-                self.unpinned(Outcome::IndexUnavailable, mode_name(self.mode));
+                self.unpinned(Reason::IndexUnavailable);
                 false
             }
         }
@@ -299,22 +343,24 @@ impl Request {
     fn step(&mut self, api: Api, plan: Plan, body: Vec<u8>) -> bool {
         match plan.action.clone() {
             Step::Skip(skip) => {
-                self.unpinned(Outcome::Skipped(skip.reason()), mode_name(self.mode));
+                self.unpinned(skip.reason());
                 false
             }
-            Step::LoadOnly => self.lookup(&[], false),
+            Step::LoadOnly => self.lookup(Query::Blocks(Vec::new())),
             Step::Lookup(prompt) => {
                 self.servable_blocks = Some(prompt.servable_blocks);
-                self.lookup(&prompt.keys, false)
+                self.lookup(Query::Blocks(prompt.keys))
             }
-            Step::Approximate(keys) => self.lookup(&keys, true),
+            Step::Approximate(keys) => self.lookup(Query::Text(keys)),
             Step::Tokenize { path, body: call } => {
-                let config = self.config();
-                let authority = config
-                    .tokenizer_authority
-                    .clone()
-                    .unwrap_or_else(|| config.tokenizer_cluster.clone());
-                match self.callout(&config.tokenizer_cluster, &authority, path, &call, None) {
+                let gateway = self.gateway();
+                match self.callout(
+                    &gateway.tokenizer_cluster,
+                    gateway.tokenizer_authority(),
+                    path,
+                    &call,
+                    None,
+                ) {
                     Some(token) => {
                         self.phase = Phase::Tokenizing {
                             token,
@@ -333,15 +379,15 @@ impl Request {
 
     /// Tokenizing failed: route on text-derived keys rather than not at all.
     fn approximate_fallback(&mut self, api: Api, plan: &Plan, body: &[u8]) -> bool {
-        self.stats.count(Outcome::TokenizeFailed);
-        match route::approximate_fallback(&self.router, api, body, plan) {
+        self.stats.count(Reason::TokenizeFailed);
+        match plan::approximate_fallback(self.router(), api, body, plan) {
             Some(keys) => {
                 self.mode = Mode::Approximate;
-                self.lookup(&keys, true)
+                self.lookup(Query::Text(keys))
             }
             None => {
                 // Counted above.
-                self.record_unpinned(Outcome::TokenizeFailed, mode_name(self.mode));
+                self.record_unpinned(Reason::TokenizeFailed);
                 false
             }
         }
@@ -349,10 +395,10 @@ impl Request {
 
     /// Envoy's override_host reads the ranked list from a request header; Kong balances
     /// after Wasm runs and takes one `host:port` from the `kong.service.target` property.
-    fn pin(&mut self, pick: &route::Pick) -> bool {
-        match self.config().host {
+    fn pin(&mut self, pick: &Pick) -> bool {
+        match self.gateway().host {
             Host::Envoy => {
-                let header = self.config().endpoint_header.clone();
+                let header = self.gateway().endpoint_header.clone();
                 let value = pick.header_value();
                 hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(&value)).is_ok()
             }
@@ -369,45 +415,66 @@ impl Request {
         let prompt = call_body().filter(|_| ok).and_then(|answer| {
             // The VM is single-threaded; a busy cache (never expected) just means no reuse.
             let mut cache = self.digests.try_borrow_mut().ok();
-            route::keys_from_tokenize(&self.router, &plan.extras, &answer, cache.as_deref_mut())
+            tokens::keys_from_tokenize(self.router(), &plan.extras, &answer, cache.as_deref_mut())
                 .ok()
         });
         match prompt {
             Some(prompt) => {
                 self.servable_blocks = Some(prompt.servable_blocks);
-                self.lookup(&prompt.keys, false)
+                self.lookup(Query::Blocks(prompt.keys))
             }
             None => self.approximate_fallback(api, &plan, &body),
         }
     }
 
-    fn on_looked_up(&mut self, since: SystemTime) {
+    /// Reads the index's answer; true if the request stays paused (asked again in
+    /// protocol 1).
+    fn on_looked_up(
+        &mut self,
+        since: SystemTime,
+        request: LookupRequest,
+        protocol: Protocol,
+    ) -> bool {
         self.stats.lookup_latency(elapsed_us(since));
-        let pick = call_body()
-            .filter(|_| call_status() == Some(200))
-            .map(|body| route::parse_lookup(&self.router, &body));
-        let mode = mode_name(self.mode);
+        let status = call_status();
+        if status == Some(404) && protocol == Protocol::V2 {
+            // A daemon of the release before protocol 2.
+            if self.protocol_1_until.get().is_none() {
+                log(
+                    LogLevel::Info,
+                    "kvaffine: the index does not know /v2/lookup; using /v1/lookup",
+                );
+            }
+            self.protocol_1_until.set(Some(now() + PROTOCOL_1_RECHECK));
+            return self.send_lookup(request, Protocol::V1);
+        }
+        let answer = call_body()
+            .filter(|_| status == Some(200))
+            .map(|body| match protocol {
+                Protocol::V2 => protocol::read_answer(&body),
+                Protocol::V1 => v1::read_answer(&body),
+            });
+        let fallbacks = self.router().config.fallbacks;
+        let pick = answer.map(|a| a.and_then(|a| Pick::from_answer(&a, fallbacks)));
         match pick {
             // The index answered, but no replica can take the request.
-            Some(Err(route::LookupError::Empty)) => {
-                self.unpinned(Outcome::Skipped("no-candidates"), mode);
-            }
+            Some(Err(protocol::LookupError::Empty)) => self.unpinned(Reason::NoCandidates),
             Some(Ok(pick)) if self.pin(&pick) => {
-                self.stats
-                    .count(Outcome::Routed(stats::routed_reason(&pick.reason)));
+                self.stats.count(pick.reason);
                 self.outcome = Some(Decision {
                     endpoint: pick.endpoints.first().cloned(),
                     // What vLLM will serve: the cache never covers the last prompt token.
                     matched_blocks: self
                         .servable_blocks
                         .map_or(pick.matched_blocks, |most| pick.matched_blocks.min(most)),
-                    reason: stats::routed_reason(&pick.reason),
-                    mode,
+                    reason: pick.reason,
+                    mode: self.mode,
                 });
                 self.phase = Phase::Idle;
             }
-            _ => self.unpinned(Outcome::IndexUnavailable, mode),
+            _ => self.unpinned(Reason::IndexUnavailable),
         }
+        false
     }
 }
 
@@ -444,7 +511,16 @@ impl Context for Request {
                     return;
                 }
             }
-            Phase::LookingUp { token, since } if token == token_id => self.on_looked_up(since),
+            Phase::LookingUp {
+                token,
+                since,
+                request,
+                protocol,
+            } if token == token_id => {
+                if self.on_looked_up(since, request, protocol) {
+                    return;
+                }
+            }
             other => {
                 // A late answer to a callout this request no longer waits for.
                 self.phase = other;
@@ -460,24 +536,24 @@ impl HttpContext for Request {
         // Clients never choose replicas or pools: strip what only kvaffine may set, on
         // every request, whatever happens next.
         for name in [
-            self.config().endpoint_header.as_str(),
-            self.config().model_header.as_str(),
+            self.gateway().endpoint_header.as_str(),
+            self.gateway().model_header.as_str(),
         ] {
             let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
         }
-        self.stats.count(Outcome::Request);
+        self.stats.request();
         // Kong has no route metadata: a route's mode is its own filter configuration.
-        let per_route = match self.config().host {
+        let per_route = match self.gateway().host {
             Host::Envoy => route_mode(),
             Host::Kong => None,
         };
-        self.mode = per_route.unwrap_or(self.config().mode);
+        self.mode = per_route.unwrap_or(self.router().config.mode);
         if self.mode == Mode::Off {
-            self.unpinned(Outcome::Disabled, "off");
+            self.unpinned(Reason::Disabled);
             return Action::Continue;
         }
         let is_post = request_header(":method").is_some_and(|m| m == b"POST");
-        let api = request_header(":path").and_then(|p| self.router.api(&p));
+        let api = request_header(":path").and_then(|p| self.router().api(&p));
         // Kong never says end of stream here, and may not call the body callback for an
         // empty body: a declared empty body has no prompt, whatever the host says.
         let empty = || request_header("content-length").is_some_and(|l| l == b"0");
@@ -488,11 +564,11 @@ impl HttpContext for Request {
                 Action::Pause
             }
             (true, Some(_)) => {
-                self.unpinned(Outcome::Skipped("no-prompt"), mode_name(self.mode));
+                self.unpinned(Reason::NoPrompt);
                 Action::Continue
             }
             _ => {
-                self.unpinned(Outcome::PassThrough, mode_name(self.mode));
+                self.unpinned(Reason::Passthrough);
                 Action::Continue
             }
         }
@@ -502,8 +578,8 @@ impl HttpContext for Request {
         let Phase::Buffering(api) = self.phase else {
             return Action::Continue;
         };
-        if body_size > self.config().max_body_bytes {
-            self.unpinned(Outcome::Skipped("body-too-large"), mode_name(self.mode));
+        if body_size > self.gateway().max_body_bytes {
+            self.unpinned(Reason::BodyTooLarge);
             return Action::Continue;
         }
         if !end_of_stream {
@@ -512,13 +588,13 @@ impl HttpContext for Request {
         let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
             Ok(Some(body)) => body,
             _ => {
-                self.unpinned(Outcome::Skipped("body-unreadable"), mode_name(self.mode));
+                self.unpinned(Reason::BodyUnreadable);
                 return Action::Continue;
             }
         };
-        let plan = route::plan(&self.router, api, self.mode, &body);
+        let plan = plan::plan(self.router(), api, self.mode, &body);
         if let Some(model) = &plan.model {
-            let header = self.config().model_header.clone();
+            let header = self.gateway().model_header.clone();
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(model));
         }
         self.model = plan.model.clone();
@@ -539,8 +615,8 @@ impl HttpContext for Request {
                 set(ENDPOINT_HEADER, endpoint);
                 set(MATCHED_HEADER, &decision.matched_blocks.to_string());
             }
-            set(REASON_HEADER, decision.reason);
-            set(MODE_HEADER, decision.mode);
+            set(REASON_HEADER, decision.reason.as_str());
+            set(MODE_HEADER, decision.mode.as_str());
         }
         Action::Continue
     }

@@ -68,8 +68,14 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
     sub.connect(&spec.events)
         .with_context(|| format!("cannot connect to {}", spec.events))?;
     sub.set_subscribe(daemon.settings.topic.as_bytes())?;
-    // Connection events of the SUB socket: a reconnect may be to a restarted replica.
-    let monitor_url = format!("inproc://kvaffined-monitor-{}", endpoint.slot.index());
+    // Connection events of the SUB socket: a reconnect may be to a restarted replica. The
+    // name is never reused: libzmq unbinds a closed socket's monitor asynchronously, so an
+    // endpoint re-added at the same slot would find the old name still taken.
+    static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let monitor_url = format!(
+        "inproc://kvaffined-monitor-{}",
+        MONITORS.fetch_add(1, Ordering::Relaxed)
+    );
     sub.monitor(
         &monitor_url,
         (zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw()) as i32,
@@ -296,7 +302,8 @@ impl Follower<'_> {
     fn purge(&mut self) {
         let slot = self.endpoint.slot;
         self.daemon.index.write().purge(slot);
-        self.daemon.bookings.lock().forget_slot(slot);
+        self.daemon.bookings.write().forget_slot(slot);
+        self.daemon.backlogs.lock().forget_slot(slot);
         self.applier.reset();
     }
 
@@ -319,7 +326,7 @@ impl Follower<'_> {
         if !report.stored_keys.is_empty() {
             self.daemon
                 .bookings
-                .lock()
+                .write()
                 .confirm(self.endpoint.slot, &report.stored_keys);
         }
         self.record(&batch, &report, before);

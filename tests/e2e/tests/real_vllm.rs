@@ -10,11 +10,14 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use kvaffine_core::api::Api;
+use kvaffine_core::config::{Mode, Router};
 use kvaffine_core::events::{
     EventFormat, KvEvent, ReplayMessage, decode_batch, encode_batch, parse_live, parse_replay,
     replay_request,
 };
-use kvaffine_core::route::{self, Action, Api, Mode, Router};
+use kvaffine_core::plan::{self, Action};
+use kvaffine_core::tokens::{self, PromptKeys};
 use kvaffine_e2e::client::{Connection, Reply, post_json, send};
 use kvaffine_e2e::vllm::{
     OracleProcess, SERVED_MODEL, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec,
@@ -715,7 +718,7 @@ fn native_router() -> anyhow::Result<Router> {
     {
         config.extend(settings);
     }
-    Ok(Router::from_json(config.to_string().as_bytes())?)
+    Ok(kvaffine_filter::config::FilterConfig::from_json(config.to_string().as_bytes())?.router)
 }
 
 /// kvaffine's tokenize call for `body`, the way the filter makes it (its plan), the
@@ -724,24 +727,29 @@ fn kvaffine_tokens(
     replica: &VllmProcess,
     api: Api,
     body: &Value,
-) -> anyhow::Result<(route::PromptKeys, Vec<u32>, String)> {
+) -> anyhow::Result<(PromptKeys, Vec<u32>, String)> {
     let router = native_router()?;
-    let plan = route::plan(&router, api, Mode::Precise, body.to_string().as_bytes());
+    let plan = plan::plan(&router, api, Mode::Precise, body.to_string().as_bytes());
     let Action::Tokenize { path, body: call } = &plan.action else {
         anyhow::bail!("kvaffine would not tokenize this body: {:?}", plan.action);
     };
     let call = String::from_utf8(call.clone())?;
     let (status, text) = vllm_emu::harness::http(&replica.http, "POST", path, &call);
     ensure(status == 200, || format!("{path}: {status} {text}"))?;
-    let tokens =
-        route::token_list(text.as_bytes()).ok_or_else(|| anyhow::anyhow!("no tokens in {text}"))?;
-    let keys = route::PromptKeys::of(&router, &plan.extras, &tokens, None);
+    let tokens = tokens::token_list(text.as_bytes())
+        .ok_or_else(|| anyhow::anyhow!("no tokens in {text}"))?;
+    let keys = PromptKeys::of(&router, &plan.extras, &tokens, None);
     Ok((keys, tokens, call))
 }
 
 /// kvaffine's keys for `body`, as the filter computes them.
 fn kvaffine_keys(replica: &VllmProcess, api: Api, body: &Value) -> anyhow::Result<Vec<u64>> {
-    Ok(kvaffine_tokens(replica, api, body)?.0.keys)
+    Ok(kvaffine_tokens(replica, api, body)?
+        .0
+        .keys
+        .iter()
+        .map(|k| k.0)
+        .collect())
 }
 
 /// Where kvaffine's tokens and vLLM's own rendering of `body` part, as text, for a

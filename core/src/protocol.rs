@@ -1,0 +1,423 @@
+//! The lookup protocol between the filter and `kvaffined`: one set of types both sides
+//! serialize, so they agree by construction rather than by string keys.
+//!
+//! Protocol 2 is `POST /v2/lookup`: block keys or text keys (distinct types), and an
+//! answer of the top candidates only. Protocol 1 (`POST /v1/lookup`, [`v1`]) stays on both
+//! sides, so a filter and a daemon one release apart still route: a protocol-2 filter
+//! falls back to it when a daemon answers `/v2/lookup` with 404, and a protocol-2 daemon
+//! keeps answering it. Rule for changes: a new answer field is free (readers ignore what
+//! they do not know); a new request field needs a new protocol path, because daemons
+//! refuse request fields they do not know.
+
+use serde::{Deserialize, Serialize};
+
+use crate::approximate::TextKey;
+use crate::keys::BlockKey;
+use crate::reason::Reason;
+
+/// Where protocol-2 lookups go.
+pub const LOOKUP_PATH: &str = "/v2/lookup";
+
+/// What to match.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Query {
+    /// vLLM's block keys, block 0 first, matched against KV events. None: rank by load.
+    Blocks(Vec<BlockKey>),
+    /// Text keys (the approximate mode), matched against where earlier requests went.
+    Text(Vec<TextKey>),
+}
+
+impl Query {
+    /// Keys in the request.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Blocks(keys) => keys.len(),
+            Self::Text(keys) => keys.len(),
+        }
+    }
+
+    /// Whether there are no keys (a load-only lookup).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Asks the daemon to remember the pick until the replica's events confirm it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Booking {
+    /// Lifetime in milliseconds (default: the daemon's `--booking-ttl-ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+}
+
+/// A protocol-2 lookup.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RequestWire", into = "RequestWire")]
+pub struct LookupRequest {
+    /// The keys.
+    pub query: Query,
+    /// Only replicas serving this model (or not yet known to serve another) are ranked.
+    pub model: Option<String>,
+    /// Book the first-ranked replica for these keys.
+    pub book: Option<Booking>,
+    /// How many ranked candidates to answer (the pick and its fallbacks), at least 1.
+    pub candidates: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestWire {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    blocks: Option<Vec<BlockKey>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    text: Option<Vec<TextKey>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    book: Option<Booking>,
+    #[serde(default = "one")]
+    candidates: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl TryFrom<RequestWire> for LookupRequest {
+    type Error = &'static str;
+
+    fn try_from(wire: RequestWire) -> Result<Self, Self::Error> {
+        let query = match (wire.blocks, wire.text) {
+            (Some(blocks), None) => Query::Blocks(blocks),
+            (None, Some(text)) => Query::Text(text),
+            _ => return Err("a lookup has exactly one of `blocks` and `text`"),
+        };
+        if wire.candidates == 0 {
+            return Err("`candidates` must be at least 1");
+        }
+        Ok(Self {
+            query,
+            model: wire.model,
+            book: wire.book,
+            candidates: wire.candidates,
+        })
+    }
+}
+
+impl From<LookupRequest> for RequestWire {
+    fn from(request: LookupRequest) -> Self {
+        let (blocks, text) = match request.query {
+            Query::Blocks(keys) => (Some(keys), None),
+            Query::Text(keys) => (None, Some(keys)),
+        };
+        Self {
+            blocks,
+            text,
+            model: request.model,
+            book: request.book,
+            candidates: request.candidates,
+        }
+    }
+}
+
+impl LookupRequest {
+    /// The JSON body.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// One ranked candidate.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Candidate {
+    /// `HOST:PORT`, as the gateway's upstream knows it.
+    pub endpoint: String,
+    /// Leading blocks its events confirm it holds. A booked prefix is left out: until its
+    /// prefill is done vLLM cannot serve it, so a sibling sent meanwhile is still steered
+    /// to it but predicted no more than this.
+    pub matched_blocks: u32,
+}
+
+/// A protocol-2 answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LookupAnswer {
+    /// The best candidates, best first, at most as many as asked for.
+    pub candidates: Vec<Candidate>,
+    /// Why the first is first.
+    pub reason: Reason,
+    /// Every replica's index is known to be complete.
+    #[serde(default = "yes")]
+    pub complete: bool,
+    /// The replica booked, when booking was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub booked: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Why a lookup answer is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LookupError {
+    /// Not the daemon's JSON.
+    #[error("the index's answer is not a lookup response")]
+    Malformed,
+    /// No endpoint to pick.
+    #[error("the index knows no endpoint for this request")]
+    Empty,
+}
+
+/// Reads a protocol-2 answer.
+pub fn read_answer(bytes: &[u8]) -> Result<LookupAnswer, LookupError> {
+    serde_json::from_slice(bytes).map_err(|_| LookupError::Malformed)
+}
+
+/// A pick: the endpoints to try in order, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pick {
+    /// The pick first, then the ranked fallbacks.
+    pub endpoints: Vec<String>,
+    /// Blocks the pick's events confirm it holds.
+    pub matched_blocks: u64,
+    /// The daemon's reason.
+    pub reason: Reason,
+}
+
+impl Pick {
+    /// The pick and at most `fallbacks` more, skipping anything that is not `host:port`
+    /// (a daemon's answer is never put into a header unchecked).
+    pub fn from_answer(answer: &LookupAnswer, fallbacks: usize) -> Result<Self, LookupError> {
+        let valid: Vec<&Candidate> = answer
+            .candidates
+            .iter()
+            .filter(|c| valid_endpoint(&c.endpoint))
+            .take(1 + fallbacks)
+            .collect();
+        let first = valid.first().ok_or(LookupError::Empty)?;
+        Ok(Self {
+            matched_blocks: u64::from(first.matched_blocks),
+            endpoints: valid.iter().map(|c| c.endpoint.clone()).collect(),
+            reason: answer.reason,
+        })
+    }
+
+    /// The endpoint header value: comma-separated, as override_host reads it.
+    pub fn header_value(&self) -> String {
+        self.endpoints.join(",")
+    }
+}
+
+fn valid_endpoint(endpoint: &str) -> bool {
+    endpoint
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+        && endpoint
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]_".contains(&b))
+}
+
+/// Protocol 1: `POST /v1/lookup`, every endpoint's full record in each answer.
+pub mod v1 {
+    use serde::{Deserialize, Serialize};
+
+    use super::{Booking, Candidate, LookupAnswer, LookupError, LookupRequest, Query};
+    use crate::approximate::TextKey;
+    use crate::keys::BlockKey;
+    use crate::reason::Reason;
+
+    /// Where protocol-1 lookups go.
+    pub const LOOKUP_PATH: &str = "/v1/lookup";
+
+    /// A protocol-1 lookup: keys of either kind, told apart by a flag.
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Request {
+        /// Block keys, or text keys when `approximate`.
+        pub keys: Vec<u64>,
+        /// As in protocol 2.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub model: Option<String>,
+        /// As in protocol 2.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub book: Option<Booking>,
+        /// The keys are text keys.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        pub approximate: bool,
+    }
+
+    impl From<&LookupRequest> for Request {
+        fn from(request: &LookupRequest) -> Self {
+            let (keys, approximate) = match &request.query {
+                Query::Blocks(keys) => (keys.iter().map(|k| k.0).collect(), false),
+                Query::Text(keys) => (keys.iter().map(|k| k.0).collect(), true),
+            };
+            Self {
+                keys,
+                model: request.model.clone(),
+                book: request.book,
+                approximate,
+            }
+        }
+    }
+
+    impl Request {
+        /// The same lookup in protocol 2, asking for every candidate (protocol 1 answers
+        /// them all).
+        pub fn into_current(self) -> LookupRequest {
+            let query = if self.approximate {
+                Query::Text(self.keys.into_iter().map(TextKey).collect())
+            } else {
+                Query::Blocks(self.keys.into_iter().map(BlockKey).collect())
+            };
+            LookupRequest {
+                query,
+                model: self.model,
+                book: self.book,
+                candidates: usize::MAX,
+            }
+        }
+
+        /// The JSON body.
+        pub fn to_json(&self) -> Vec<u8> {
+            serde_json::to_vec(self).unwrap_or_default()
+        }
+    }
+
+    #[derive(Deserialize)]
+    struct Answer {
+        ranked: Vec<String>,
+        #[serde(default)]
+        endpoints: Vec<Record>,
+        #[serde(default)]
+        reason: Option<Reason>,
+        #[serde(default)]
+        index: Option<String>,
+        #[serde(default)]
+        booked: Option<String>,
+    }
+
+    #[derive(Deserialize)]
+    struct Record {
+        endpoint: String,
+        #[serde(default)]
+        matched_blocks: u32,
+        /// Daemons before it only say `matched_blocks` (bookings counted).
+        #[serde(default)]
+        indexed_blocks: Option<u32>,
+    }
+
+    /// Reads a protocol-1 answer as protocol 2 would have said it.
+    pub fn read_answer(bytes: &[u8]) -> Result<LookupAnswer, LookupError> {
+        let answer: Answer = serde_json::from_slice(bytes).map_err(|_| LookupError::Malformed)?;
+        let candidates = answer
+            .ranked
+            .into_iter()
+            .map(|endpoint| {
+                let matched_blocks = answer
+                    .endpoints
+                    .iter()
+                    .find(|r| r.endpoint == endpoint)
+                    .map_or(0, |r| r.indexed_blocks.unwrap_or(r.matched_blocks));
+                Candidate {
+                    endpoint,
+                    matched_blocks,
+                }
+            })
+            .collect();
+        Ok(LookupAnswer {
+            candidates,
+            reason: answer.reason.unwrap_or(Reason::Other),
+            complete: answer.index.as_deref() != Some("incomplete"),
+            booked: answer.booked,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(json: &str) -> LookupAnswer {
+        read_answer(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn requests_name_one_kind_of_key_and_read_back() {
+        let request = LookupRequest {
+            query: Query::Text(vec![TextKey(7)]),
+            model: Some("m".into()),
+            book: Some(Booking::default()),
+            candidates: 2,
+        };
+        let json = String::from_utf8(request.to_json()).unwrap();
+        assert_eq!(json, r#"{"text":[7],"model":"m","book":{},"candidates":2}"#);
+        let back: LookupRequest = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, request);
+        let both = r#"{"blocks":[1],"text":[2]}"#;
+        assert!(serde_json::from_str::<LookupRequest>(both).is_err());
+        assert!(serde_json::from_str::<LookupRequest>(r#"{"blocks":[1],"candidates":0}"#).is_err());
+        assert!(serde_json::from_str::<LookupRequest>(r#"{"blocks":[1],"nope":1}"#).is_err());
+        let minimal: LookupRequest = serde_json::from_str(r#"{"blocks":[]}"#).unwrap();
+        assert_eq!((minimal.query.is_empty(), minimal.candidates), (true, 1));
+    }
+
+    #[test]
+    fn answers_are_read_into_a_bounded_pick_of_valid_endpoints() {
+        let a = answer(
+            r#"{"candidates":[{"endpoint":"10.0.0.2:8000","matched_blocks":7},
+            {"endpoint":"evil host:80","matched_blocks":0},
+            {"endpoint":"10.0.0.1:8000","matched_blocks":0},
+            {"endpoint":"10.0.0.3:8000","matched_blocks":0}],"reason":"prefix","from":"later"}"#,
+        );
+        let pick = Pick::from_answer(&a, 1).unwrap();
+        assert_eq!(pick.header_value(), "10.0.0.2:8000,10.0.0.1:8000");
+        assert_eq!((pick.matched_blocks, pick.reason), (7, Reason::Prefix));
+        let empty = answer(r#"{"candidates":[],"reason":"no-candidates"}"#);
+        assert_eq!(Pick::from_answer(&empty, 1), Err(LookupError::Empty));
+        assert_eq!(read_answer(b"nope"), Err(LookupError::Malformed));
+        let unknown =
+            answer(r#"{"candidates":[{"endpoint":"a:1","matched_blocks":0}],"reason":"new"}"#);
+        assert_eq!(
+            Pick::from_answer(&unknown, 0).unwrap().reason,
+            Reason::Other
+        );
+    }
+
+    #[test]
+    fn protocol_1_answers_read_as_protocol_2() {
+        let a = v1::read_answer(
+            br#"{"ranked":["10.0.0.2:8000","10.0.0.1:8000"],"reason":"prefix","index":"complete",
+            "endpoints":[{"endpoint":"10.0.0.2:8000","matched_blocks":9,"indexed_blocks":2}]}"#,
+        )
+        .unwrap();
+        let pick = Pick::from_answer(&a, 1).unwrap();
+        assert_eq!((pick.matched_blocks, pick.endpoints.len()), (2, 2));
+        let older = v1::read_answer(
+            br#"{"ranked":["10.0.0.2:8000"],"endpoints":[{"endpoint":"10.0.0.2:8000","matched_blocks":9}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (older.candidates[0].matched_blocks, older.reason),
+            (9, Reason::Other)
+        );
+    }
+
+    #[test]
+    fn protocol_1_requests_carry_the_same_lookup() {
+        let request = LookupRequest {
+            query: Query::Blocks(vec![BlockKey(11), BlockKey(22)]),
+            model: None,
+            book: Some(Booking::default()),
+            candidates: 2,
+        };
+        let v1 = v1::Request::from(&request);
+        assert_eq!(
+            String::from_utf8(v1.to_json()).unwrap(),
+            r#"{"keys":[11,22],"book":{}}"#
+        );
+        let back = v1.into_current();
+        assert_eq!((back.query, back.book), (request.query, request.book));
+    }
+}

@@ -3,7 +3,7 @@
 //! deadline instead of sleeps.
 
 // Each test binary uses a different subset of these helpers.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -277,7 +277,7 @@ fn plan_api(
             {
                 return Err(Skip::PreviousResponse);
             }
-            let input = request::responses_chat_input(value, &[]).map_err(unrenderable)?;
+            let input = request::responses_chat_input(value).map_err(unrenderable)?;
             match (mode, router.config.responses_tokenize) {
                 (Mode::Approximate, _) => approximate(&chat_text(&input.messages)),
                 (_, ResponsesTokenize::Render) => Action::Tokenize {
@@ -305,7 +305,7 @@ pub fn approximate_fallback(
     let text = match api {
         Api::ChatCompletions => chat_text(value.get("messages")?.as_array()?),
         Api::Completions => value.get("prompt")?.as_str()?.to_owned(),
-        Api::Responses => chat_text(&request::responses_chat_input(&value, &[]).ok()?.messages),
+        Api::Responses => chat_text(&request::responses_chat_input(&value).ok()?.messages),
     };
     Some(approximate_keys(
         router,

@@ -86,30 +86,101 @@ pub fn template_kwargs(body: &Value) -> Result<Map<String, Value>, RequestError>
     Ok(kwargs)
 }
 
-/// Converts Responses tools to chat-completions tools (function tools only).
-fn chat_tools(tools: &Value) -> Result<Option<Vec<Value>>, RequestError> {
-    match tools {
-        Value::Null => Ok(None),
-        Value::Array(tools) => Ok(Some(
-            tools
-                .iter()
-                .filter(|t| t.get("type").and_then(Value::as_str) == Some("function"))
-                .map(|t| {
-                    let mut function = Map::new();
-                    for key in ["name", "description", "parameters"] {
-                        if let Some(v) = t.get(key) {
-                            function.insert(key.into(), v.clone());
-                        }
-                    }
-                    json!({"type": "function", "function": function})
-                })
-                .collect(),
-        )),
-        _ => Err(RequestError::WrongType {
-            field: "tools",
-            expected: "an array",
-        }),
+/// What vLLM (0.32) puts between a namespace and the name of one of its tools.
+const NAMESPACE_SEPARATOR: &str = "__";
+
+/// The parameters a custom (freeform) tool is shown with: one string, `input`, in the key
+/// order vLLM's `custom_tool_parameters` writes (a template may print them).
+fn custom_tool_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "input": {"type": "string", "description": "The freeform text payload for this tool."}
+        },
+        "required": ["input"],
+        "additionalProperties": false,
+    })
+}
+
+/// A chat-completions function tool from a Responses tool's fields.
+fn function_tool(name: Value, description: Option<&Value>, parameters: Option<&Value>) -> Value {
+    let mut function = Map::new();
+    function.insert("name".into(), name);
+    if let Some(description) = description {
+        function.insert("description".into(), description.clone());
     }
+    if let Some(parameters) = parameters {
+        function.insert("parameters".into(), parameters.clone());
+    }
+    json!({"type": "function", "function": function})
+}
+
+/// Converts Responses tools to the chat-completions tools the model is shown, as vLLM's
+/// `get_function_tools` does: function tools as they are, a namespace's function tools
+/// each as `namespace__name`, custom tools as a one-string function; hosted tools
+/// (web search and the like) are never shown.
+fn chat_tools(tools: &Value) -> Result<Option<Vec<Value>>, RequestError> {
+    let Value::Array(tools) = tools else {
+        return match tools {
+            Value::Null => Ok(None),
+            _ => Err(RequestError::WrongType {
+                field: "tools",
+                expected: "an array",
+            }),
+        };
+    };
+    let mut shown = Vec::with_capacity(tools.len());
+    for tool in tools {
+        match tool.get("type").and_then(Value::as_str) {
+            Some("function") => shown.push(function_tool(
+                string_field(tool, "name"),
+                tool.get("description"),
+                tool.get("parameters"),
+            )),
+            Some("namespace") => {
+                let namespace = tool.get("name").and_then(Value::as_str).unwrap_or("");
+                let members = tool.get("tools").and_then(Value::as_array);
+                for member in members.into_iter().flatten() {
+                    if member.get("type").and_then(Value::as_str) == Some("function") {
+                        let name = member.get("name").and_then(Value::as_str).unwrap_or("");
+                        shown.push(function_tool(
+                            json!(format!("{namespace}{NAMESPACE_SEPARATOR}{name}")),
+                            member.get("description"),
+                            member.get("parameters"),
+                        ));
+                    }
+                }
+            }
+            Some("custom") => shown.push(function_tool(
+                string_field(tool, "name"),
+                tool.get("description"),
+                Some(&custom_tool_parameters()),
+            )),
+            _ => {}
+        }
+    }
+    Ok(Some(shown))
+}
+
+/// A function call's name as the model saw the tool: namespaced calls carry their
+/// namespace in front, as vLLM's `flat_namespace_tool_name` writes it.
+fn call_name(item: &Value) -> Value {
+    match item.get("namespace").and_then(Value::as_str) {
+        Some(namespace) if !namespace.is_empty() => json!(format!(
+            "{namespace}{NAMESPACE_SEPARATOR}{}",
+            item.get("name").and_then(Value::as_str).unwrap_or("")
+        )),
+        _ => string_field(item, "name"),
+    }
+}
+
+/// A custom tool call's input as the arguments of the function it is shown as: Python's
+/// `json.dumps({"input": payload}, ensure_ascii=False)`, which vLLM writes (its spacing
+/// after the colon, non-ASCII kept; serde_json escapes strings as Python does then).
+fn custom_call_arguments(item: &Value) -> Value {
+    let payload = item.get("input").and_then(Value::as_str).unwrap_or("");
+    let quoted = serde_json::to_string(payload).unwrap_or_else(|_| "\"\"".into());
+    json!(format!("{{\"input\": {quoted}}}"))
 }
 
 fn string_field(item: &Value, key: &str) -> Value {
@@ -159,24 +230,21 @@ fn input_messages(items: &[Value]) -> Result<Vec<Value>, RequestError> {
     let mut messages: Vec<Value> = Vec::with_capacity(items.len());
     for item in items {
         let kind = item.get("type").and_then(Value::as_str);
-        let call = |arguments: &str| {
+        let call = |name: Value, arguments: Value| {
+            // vLLM's key order: a template may print the call as JSON.
             json!({
                 "id": string_field(item, "call_id"),
+                "function": {"name": name, "arguments": arguments},
                 "type": "function",
-                "function": {
-                    "name": string_field(item, "name"),
-                    "arguments": string_field(item, arguments),
-                },
             })
         };
         match kind {
-            // Custom tools carry their input where functions carry arguments.
             Some("function_call") | Some("custom_tool_call") => {
-                let call = call(if kind == Some("function_call") {
-                    "arguments"
+                let call = if kind == Some("function_call") {
+                    call(call_name(item), string_field(item, "arguments"))
                 } else {
-                    "input"
-                });
+                    call(string_field(item, "name"), custom_call_arguments(item))
+                };
                 match open_assistant(&mut messages) {
                     Some(open) => match open.get_mut("tool_calls") {
                         Some(Value::Array(calls)) => calls.push(call),
@@ -247,18 +315,10 @@ fn input_messages(items: &[Value]) -> Result<Vec<Value>, RequestError> {
     Ok(messages)
 }
 
-/// One earlier response's output item as a chat message, for `previous_response_id`.
-fn output_message(item: &Value) -> Option<Value> {
-    let parts = item.get("content")?.as_array()?;
-    let text = parts.first()?.get("text")?;
-    Some(json!({"role": "assistant", "content": text}))
-}
-
 /// A Responses request as vLLM's `construct_input_messages` builds it: `instructions` as a
-/// system message, then the previous response's conversation without its system messages
-/// (`previous`: its messages followed by its output as assistant turns, reasoning already
-/// skipped), then the input, a string as one user message or a list item by item.
-pub fn responses_chat_input(body: &Value, previous: &[Value]) -> Result<ChatInput, RequestError> {
+/// system message, then the input, a string as one user message or a list item by item.
+/// (`previous_response_id` requests are never converted: their history is one replica's.)
+pub fn responses_chat_input(body: &Value) -> Result<ChatInput, RequestError> {
     let mut messages = Vec::new();
     match body.get("instructions") {
         None | Some(Value::Null) => {}
@@ -270,12 +330,6 @@ pub fn responses_chat_input(body: &Value, previous: &[Value]) -> Result<ChatInpu
             });
         }
     }
-    messages.extend(
-        previous
-            .iter()
-            .filter(|m| m.get("role").and_then(Value::as_str) != Some("system"))
-            .cloned(),
-    );
     match body.get("input") {
         Some(Value::String(text)) => messages.push(json!({"role": "user", "content": text})),
         Some(Value::Array(items)) => messages.extend(input_messages(items)?),
@@ -291,16 +345,6 @@ pub fn responses_chat_input(body: &Value, previous: &[Value]) -> Result<ChatInpu
         tools: chat_tools(body.get("tools").unwrap_or(&Value::Null))?,
         chat_template_kwargs: template_kwargs(body)?,
     })
-}
-
-/// A Responses output list as the assistant turns a later `previous_response_id` request
-/// continues from (reasoning skipped, as vLLM does).
-pub fn responses_output_messages(output: &[Value]) -> Vec<Value> {
-    output
-        .iter()
-        .filter(|item| item.get("type").and_then(Value::as_str) == Some("message"))
-        .filter_map(output_message)
-        .collect()
 }
 
 #[cfg(test)]
@@ -321,30 +365,23 @@ mod tests {
             "tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "web_search"}],
             "reasoning": {"effort": "low"},
         });
-        let previous = [
-            json!({"role": "system", "content": "old"}),
-            json!({"role": "user", "content": "hi"}),
-        ];
-        let input = responses_chat_input(&body, &previous).unwrap();
+        let input = responses_chat_input(&body).unwrap();
         let roles: Vec<&str> = input
             .messages
             .iter()
             .map(|m| m["role"].as_str().unwrap())
             .collect();
         // Reasoning and the call merge into one assistant turn, as vLLM merges them.
-        assert_eq!(
-            roles,
-            ["system", "user", "user", "assistant", "tool", "assistant"]
-        );
+        assert_eq!(roles, ["system", "user", "assistant", "tool", "assistant"]);
         // Text parts stay parts: the template joins them as vLLM's rendering does.
         assert_eq!(
-            input.messages[2]["content"],
+            input.messages[1]["content"],
             json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
         );
-        assert_eq!(input.messages[3]["reasoning"], "think");
-        assert_eq!(input.messages[3]["tool_calls"][0]["function"]["name"], "f");
-        assert_eq!(input.messages[4]["content"], "42");
-        assert_eq!(input.messages[5]["content"], "done");
+        assert_eq!(input.messages[2]["reasoning"], "think");
+        assert_eq!(input.messages[2]["tool_calls"][0]["function"]["name"], "f");
+        assert_eq!(input.messages[3]["content"], "42");
+        assert_eq!(input.messages[4]["content"], "done");
         assert_eq!(
             input.tools.unwrap(),
             vec![json!({"type": "function", "function": {"name": "f", "parameters": {}}})]
@@ -363,7 +400,7 @@ mod tests {
             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "second"}]},
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}, {"type": "output_text", "text": "y"}]},
         ]});
-        let messages = responses_chat_input(&body, &[]).unwrap().messages;
+        let messages = responses_chat_input(&body).unwrap().messages;
         assert_eq!(
             messages,
             vec![
@@ -382,15 +419,15 @@ mod tests {
     fn what_vllm_rejects_is_an_error() {
         let encrypted = json!({"input": [{"type": "reasoning", "encrypted_content": "x"}]});
         assert_eq!(
-            responses_chat_input(&encrypted, &[]),
+            responses_chat_input(&encrypted),
             Err(RequestError::EncryptedReasoning)
         );
         let unknown = json!({"input": [{"type": "image_generation_call"}]});
         assert!(matches!(
-            responses_chat_input(&unknown, &[]),
+            responses_chat_input(&unknown),
             Err(RequestError::UnsupportedItem(_))
         ));
-        assert!(responses_chat_input(&json!({"input": 7}), &[]).is_err());
+        assert!(responses_chat_input(&json!({"input": 7})).is_err());
     }
 
     #[test]
@@ -402,17 +439,5 @@ mod tests {
         assert_eq!(kwargs["reasoning_effort"], "high");
         let none = template_kwargs(&json!({"reasoning_effort": "none"})).unwrap();
         assert_eq!(none["enable_thinking"], false);
-    }
-
-    #[test]
-    fn previous_output_drops_reasoning() {
-        let output = [
-            json!({"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]}),
-            json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]}),
-        ];
-        assert_eq!(
-            responses_output_messages(&output),
-            vec![json!({"role": "assistant", "content": "x"})]
-        );
     }
 }

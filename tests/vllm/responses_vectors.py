@@ -3,6 +3,8 @@ vLLM venv's Python; `cargo xtask vectors` does):
 
     python responses_vectors.py > vectors/responses.json
 
+Keys keep the order vLLM gives them: a template that prints tools prints them in it.
+
 Each case is a Responses request body (and, for `previous_response_id`, the previous
 response's conversation and output), validated by vLLM's `ResponsesRequest` and converted
 by vLLM's `construct_input_messages` and `construct_tool_dicts`: the chat messages and
@@ -169,7 +171,7 @@ def main():
         vectors.append(
             {"name": name, "body": body, "previous": previous, "messages": messages, "tools": tools}
         )
-    json.dump({"vllm": vllm.__version__, "cases": vectors}, sys.stdout, indent=1, sort_keys=True)
+    json.dump({"vllm": vllm.__version__, "cases": vectors}, sys.stdout, indent=1)
     sys.stdout.write("\n")
 
 

@@ -8,7 +8,7 @@ mod docs;
 mod sh;
 mod vllm;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 
 const USAGE: &str = "usage: cargo xtask <command>
 
@@ -43,6 +43,8 @@ commands:
                 (real vLLM: docs/benchmarks/peers-vllm/)
   bench reliability
                 faults, 60 s of load, ingest under lookups -> docs/reliability.md
+  vectors       the Responses conversion vectors, from the newest pinned vLLM's own code
+                -> tests/vllm/vectors/responses.json
   fuzz TARGET SECONDS
                 libFuzzer on a core/fuzz target (decode_batch, frames, plan)";
 
@@ -73,6 +75,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "reliability"] => bench::reliability(),
         ["bench", "peers", rest @ ..] => bench::peers(rest),
         ["bench", "scenarios", rest @ ..] => bench::scenarios(rest),
+        ["vectors"] => vectors(),
         ["fuzz", target, seconds] => fuzz(target, seconds),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
@@ -80,6 +83,24 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         }
         other => bail!("unknown command {other:?}\n\n{USAGE}"),
     }
+}
+
+/// Writes the Responses-to-chat vectors with the newest pinned vLLM's own conversion.
+fn vectors() -> anyhow::Result<()> {
+    let venv = vllm::ensure(&vllm::newest()?)?;
+    let output = std::process::Command::new(venv.join("bin/python"))
+        .arg(sh::root().join("tests/vllm/responses_vectors.py"))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("cannot run tests/vllm/responses_vectors.py")?;
+    if !output.status.success() {
+        bail!("tests/vllm/responses_vectors.py failed: {}", output.status);
+    }
+    let path = sh::root().join("tests/vllm/vectors/responses.json");
+    std::fs::write(&path, &output.stdout)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    println!("{}", path.display());
+    Ok(())
 }
 
 /// Runs a libFuzzer target of `core/fuzz` for `seconds`. cargo-fuzz needs nightly flags;

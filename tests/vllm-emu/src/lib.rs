@@ -7,6 +7,7 @@
 //! * [`cache`], [`engine`]: the prefix cache, admission, the latency model, events.
 //! * [`generate`]: deterministic outputs a client can carry back.
 //! * [`rng`]: the seeded generator every replayable workload shares.
+//! * [`responses`]: Responses requests to chat messages, as vLLM builds them.
 //! * [`harness`]: test support for suites that run real processes.
 //! * [`server`]: the HTTP API (`/tokenize`, chat completions, completions, Responses,
 //!   `/metrics`, `/kv_event_sources`, ...).
@@ -16,6 +17,7 @@ pub mod engine;
 pub mod generate;
 pub mod harness;
 pub mod publisher;
+pub mod responses;
 pub mod rng;
 pub mod server;
 pub mod template;

@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvaffine_core::request::{responses_chat_input, responses_output_messages, template_kwargs};
+use kvaffine_core::request::template_kwargs;
 use kvaffine_core::{CacheSalt, KeyExtras, LoraAdapter};
 use parking_lot::Mutex;
 use serde_json::{Map, Value, json};
@@ -39,7 +39,7 @@ pub struct App {
     pub kv_event_sources: Value,
     /// Responses kept for `previous_response_id` (`None`: the store is off, as in vLLM by
     /// default).
-    pub responses: Option<Mutex<HashMap<String, Vec<Value>>>>,
+    pub responses: Option<Mutex<HashMap<String, crate::responses::Previous>>>,
     /// Process start, seconds since the epoch (`process_start_time_seconds`).
     pub started: f64,
     next_id: AtomicU64,
@@ -217,10 +217,13 @@ fn render_chat(
     continue_final_message: bool,
     kwargs: &Map<String, Value>,
 ) -> Result<String, ApiError> {
+    // vLLM validates tools before its template sees them, whoever sent them.
+    let tools: Option<Vec<Value>> =
+        tools.map(|tools| tools.iter().map(crate::responses::validated_tool).collect());
     template::render(
         messages,
         &RenderOptions {
-            tools,
+            tools: tools.as_deref(),
             add_generation_prompt,
             continue_final_message,
             kwargs: Some(kwargs),
@@ -415,12 +418,24 @@ fn offered_tool<'a>(
         .filter(|_| after_user && !refused)
 }
 
+/// What a Responses request is rendered from.
+struct ResponsesInput {
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    chat_template_kwargs: Map<String, Value>,
+}
+
 /// A Responses request as vLLM renders it: converted to chat messages, then templated.
 fn responses_prompt(
     body: &Value,
-    previous: &[Value],
-) -> Result<(kvaffine_core::request::ChatInput, Vec<u32>), ApiError> {
-    let input = responses_chat_input(body, previous).map_err(|e| ApiError::bad(e.to_string()))?;
+    previous: Option<&crate::responses::Previous>,
+) -> Result<(ResponsesInput, Vec<u32>), ApiError> {
+    let bad = |e: String| ApiError::bad(e);
+    let input = ResponsesInput {
+        messages: crate::responses::messages(body, previous).map_err(|e| bad(e.to_string()))?,
+        tools: crate::responses::tools(body),
+        chat_template_kwargs: template_kwargs(body).map_err(|e| bad(e.to_string()))?,
+    };
     let text = render_chat(
         &input.messages,
         input.tools.as_deref(),
@@ -598,7 +613,7 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
     let body = parse(&body)?;
     let extras = extras(&app, &body)?;
     let previous = match body.get("previous_response_id").and_then(Value::as_str) {
-        None => Vec::new(),
+        None => None,
         Some(id) => app
             .responses
             .as_ref()
@@ -607,9 +622,10 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
                 status: StatusCode::NOT_FOUND,
                 message: format!("Response with id '{id}' not found."),
                 param: Some("previous_response_id"),
-            })?,
+            })
+            .map(Some)?,
     };
-    let (input, prompt) = responses_prompt(&body, &previous)?;
+    let (input, prompt) = responses_prompt(&body, previous.as_ref())?;
     check_length(&app, &prompt)?;
     let limit = max_tokens(&body, &["max_output_tokens"], 32)?;
     let tool_name = offered_tool(input.tools.as_deref(), &input.messages, &body);
@@ -635,9 +651,11 @@ async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response,
     let conversation = input.messages;
     let finish = move |cached: usize| {
         if let (true, Some(responses)) = (store, &store_app.responses) {
-            let mut conversation = conversation.clone();
-            conversation.extend(responses_output_messages(&items));
-            responses.lock().insert(id.clone(), conversation);
+            let previous = crate::responses::Previous {
+                messages: conversation.clone(),
+                output: items.clone(),
+            };
+            responses.lock().insert(id.clone(), previous);
         }
         json!({
             "id": id, "object": "response", "created_at": now() as u64, "model": store_app.model,
@@ -763,7 +781,7 @@ async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
             "previous_response_id is not supported by the render endpoint",
         ));
     }
-    let (_, tokens) = responses_prompt(&body, &[])?;
+    let (_, tokens) = responses_prompt(&body, None)?;
     Ok(rendered(&app, &body, tokens, body.get("max_output_tokens")))
 }
 

@@ -150,14 +150,32 @@ pub struct LookupResponse {
     pub booked: Option<String>,
 }
 
+/// One replica as a lookup sees it.
+struct Replica {
+    /// What `/v1/lookup` shows of it.
+    record: EndpointMatch,
+    /// The slot of its best-matching data-parallel rank: where a booking goes.
+    best_slot: Slot,
+    /// The model its metrics name, if scraped.
+    model: Option<String>,
+}
+
+/// How far each slot matches a request's keys.
+struct Matches {
+    /// GPU tier, bookings included.
+    matched: [u32; MAX_SLOTS],
+    /// GPU tier, events only.
+    indexed: [u32; MAX_SLOTS],
+    /// Other tiers, events only.
+    tiers: Vec<(String, [u32; MAX_SLOTS])>,
+}
+
 /// A lookup's ranking, before anything is booked.
 pub struct Ranking {
-    /// One record per replica (its data-parallel ranks merged).
-    pub endpoints: Vec<EndpointMatch>,
-    /// For each record, the slot of its best-matching rank (the one a booking goes to).
-    best_slot: Vec<Slot>,
-    /// Records serving the request's model, best first.
-    pub order: Vec<usize>,
+    /// One per replica (its data-parallel ranks merged).
+    replicas: Vec<Replica>,
+    /// Replicas serving the request's model, best first.
+    order: Vec<usize>,
     /// Why the first is first.
     pub reason: Reason,
     /// Every endpoint's index is complete.
@@ -172,10 +190,10 @@ impl Ranking {
                 .order
                 .iter()
                 .take(candidates)
-                .filter_map(|&i| self.endpoints.get(i))
-                .map(|e| protocol::Candidate {
-                    endpoint: e.endpoint.clone(),
-                    matched_blocks: e.indexed_blocks,
+                .filter_map(|&i| self.replicas.get(i))
+                .map(|r| protocol::Candidate {
+                    endpoint: r.record.endpoint.clone(),
+                    matched_blocks: r.record.indexed_blocks,
                 })
                 .collect(),
             reason: self.reason,
@@ -189,11 +207,11 @@ impl Ranking {
         let ranked = self
             .order
             .iter()
-            .filter_map(|&i| self.endpoints.get(i))
-            .map(|e| e.endpoint.clone())
+            .filter_map(|&i| self.replicas.get(i))
+            .map(|r| r.record.endpoint.clone())
             .collect();
         LookupResponse {
-            endpoints: self.endpoints,
+            endpoints: self.replicas.into_iter().map(|r| r.record).collect(),
             ranked,
             index: if self.complete {
                 "complete"
@@ -270,11 +288,63 @@ impl Daemon {
     /// Ranks the endpoints for a request, changing nothing: lookups run side by side
     /// under read locks.
     pub fn rank(&self, request: &LookupRequest, now: Instant) -> Ranking {
-        let endpoints = self.endpoints.read().clone();
-        let (matched, indexed, other_tiers) = match &request.query {
+        let matches = self.matches(&request.query, now);
+        let pending = self.backlogs.lock().pending_tokens(now);
+        let replicas = self.replicas(&matches, &pending);
+        let rankable: Vec<usize> = (0..replicas.len())
+            .filter(|&i| {
+                match (
+                    &request.model,
+                    replicas.get(i).and_then(|r| r.model.as_ref()),
+                ) {
+                    (Some(wanted), Some(served)) => wanted == served,
+                    _ => true,
+                }
+            })
+            .collect();
+        let candidates: Vec<Candidate> = rankable
+            .iter()
+            .filter_map(|&i| replicas.get(i))
+            .map(|replica| Candidate {
+                matched_blocks: replica.record.matched_blocks as usize,
+                load: Load {
+                    running: replica.record.running,
+                    waiting: replica.record.waiting,
+                    kv_cache_usage: replica.record.kv_cache_usage,
+                    pending_prefill_tokens: replica.record.pending_prefill_tokens,
+                },
+                usable: replica.record.reachable,
+            })
+            .collect();
+        let turn = self
+            .lookups
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (order, reason) = self
+            .settings
+            .policy
+            .rank(request.query.len(), &candidates, turn);
+        Ranking {
+            complete: replicas.iter().all(|r| r.record.complete),
+            order: order
+                .into_iter()
+                .filter_map(|i| rankable.get(i).copied())
+                .collect(),
+            replicas,
+            reason,
+        }
+    }
+
+    /// How far every slot holds the query's keys: block keys in the KV-event index (and,
+    /// for the GPU tier, with bookings over it), text keys in the approximate history.
+    fn matches(&self, query: &Query, now: Instant) -> Matches {
+        match query {
             Query::Text(keys) => {
                 let routed = self.history.read().longest_prefixes(keys);
-                (routed, routed, Vec::new())
+                Matches {
+                    matched: routed,
+                    indexed: routed,
+                    tiers: Vec::new(),
+                }
             }
             Query::Blocks(keys) => {
                 if self.bookings.read().has_expired(now) {
@@ -290,19 +360,25 @@ impl Daemon {
                     let gpu = index.tier(GPU);
                     longest_prefixes_by(keys(), |k| gpu(k) | bookings.holders(k))
                 };
-                let tiers: Vec<(String, [u32; MAX_SLOTS])> = index
+                let tiers = index
                     .media()
                     .filter(|m| *m != GPU)
                     .map(|m| (m.to_owned(), longest_prefixes_by(keys(), index.tier(m))))
                     .collect();
-                (matched, indexed, tiers)
+                Matches {
+                    matched,
+                    indexed,
+                    tiers,
+                }
             }
-        };
-        let pending = self.backlogs.lock().pending_tokens(now);
-        // One record per replica: its data-parallel ranks' streams merge into it.
-        let mut records: Vec<EndpointMatch> = Vec::with_capacity(endpoints.len());
-        let mut best_slot: Vec<Slot> = Vec::with_capacity(endpoints.len());
-        let mut models: Vec<Option<String>> = Vec::with_capacity(endpoints.len());
+        }
+    }
+
+    /// One [`Replica`] per followed replica: its data-parallel ranks' streams merge into
+    /// one record.
+    fn replicas(&self, matches: &Matches, pending: &[u64; MAX_SLOTS]) -> Vec<Replica> {
+        let endpoints = self.endpoints.read().clone();
+        let mut replicas: Vec<Replica> = Vec::with_capacity(endpoints.len());
         for endpoint in &endpoints {
             let slot = endpoint.slot.index();
             let status = endpoint.status.lock();
@@ -310,9 +386,10 @@ impl Daemon {
             let load = status.load.unwrap_or_default();
             let stream = EndpointMatch {
                 endpoint: endpoint.spec.endpoint.clone(),
-                matched_blocks: at(&matched),
-                indexed_blocks: at(&indexed),
-                tiers: other_tiers
+                matched_blocks: at(&matches.matched),
+                indexed_blocks: at(&matches.indexed),
+                tiers: matches
+                    .tiers
                     .iter()
                     .filter(|(_, m)| at(m) > 0)
                     .map(|(name, m)| (name.clone(), at(m)))
@@ -327,59 +404,24 @@ impl Daemon {
                 reachable: status.scrape_error.is_none(),
                 alignment: status.alignment,
             };
-            match records.iter().position(|a| a.endpoint == stream.endpoint) {
-                None => {
-                    records.push(stream);
-                    best_slot.push(endpoint.slot);
-                    models.push(status.model.clone());
-                }
-                Some(i) => {
-                    if let (Some(merged), Some(best)) = (records.get_mut(i), best_slot.get_mut(i)) {
-                        if stream.matched_blocks > merged.matched_blocks {
-                            *best = endpoint.slot;
-                        }
-                        merged.merge_rank(stream);
+            match replicas
+                .iter_mut()
+                .find(|r| r.record.endpoint == stream.endpoint)
+            {
+                None => replicas.push(Replica {
+                    record: stream,
+                    best_slot: endpoint.slot,
+                    model: status.model.clone(),
+                }),
+                Some(replica) => {
+                    if stream.matched_blocks > replica.record.matched_blocks {
+                        replica.best_slot = endpoint.slot;
                     }
+                    replica.record.merge_rank(stream);
                 }
             }
         }
-        let rankable: Vec<usize> = (0..records.len())
-            .filter(|&i| match (&request.model, models.get(i)) {
-                (Some(wanted), Some(Some(served))) => wanted == served,
-                _ => true,
-            })
-            .collect();
-        let candidates: Vec<Candidate> = rankable
-            .iter()
-            .filter_map(|&i| records.get(i))
-            .map(|record| Candidate {
-                matched_blocks: record.matched_blocks as usize,
-                load: Load {
-                    running: record.running,
-                    waiting: record.waiting,
-                    kv_cache_usage: record.kv_cache_usage,
-                    pending_prefill_tokens: record.pending_prefill_tokens,
-                },
-                usable: record.reachable,
-            })
-            .collect();
-        let turn = self
-            .lookups
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (order, reason) = self
-            .settings
-            .policy
-            .rank(request.query.len(), &candidates, turn);
-        Ranking {
-            complete: records.iter().all(|a| a.complete),
-            order: order
-                .into_iter()
-                .filter_map(|i| rankable.get(i).copied())
-                .collect(),
-            endpoints: records,
-            best_slot,
-            reason,
-        }
+        replicas
     }
 
     /// Books the ranking's pick, if the request asks for it: its prefill joins the
@@ -387,11 +429,8 @@ impl Daemon {
     /// confirm them; text keys in the approximate history). Returns the endpoint booked.
     pub fn book(&self, request: &LookupRequest, ranking: &Ranking, now: Instant) -> Option<String> {
         let booking = request.book?;
-        let first = *ranking.order.first()?;
-        let (record, slot) = (
-            ranking.endpoints.get(first)?,
-            *ranking.best_slot.get(first)?,
-        );
+        let replica = ranking.replicas.get(*ranking.order.first()?)?;
+        let (record, slot) = (&replica.record, replica.best_slot);
         let work = self
             .settings
             .policy

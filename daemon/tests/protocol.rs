@@ -45,23 +45,28 @@ fn keeps_every_field(released: &Value, current: &Value, at: &str) {
     }
 }
 
-fn daemon_with_two_endpoints() -> (DaemonProcess, EventPublisher, EventPublisher) {
+/// Two endpoints with replay sockets; `b_holds` is published by B before the daemon
+/// starts, so the daemon has it (from B's replay) once it is ready.
+fn daemon_with_two_endpoints(b_holds: &[u32]) -> (DaemonProcess, [EventPublisher; 2]) {
     let ctx = zmq::Context::new();
     let start = || EventPublisher::start(&ctx, PublisherConfig::default()).unwrap();
     let (pa, pb) = (start(), start());
-    let daemon = DaemonProcess::start(&[
-        "--endpoint",
-        &format!("{A}={}", pa.endpoint()),
-        "--endpoint",
-        &format!("{B}={}", pb.endpoint()),
-    ]);
+    if !b_holds.is_empty() {
+        pb.publish(&batch(vec![stored(b_holds, 0, |d| d.block_key().0)]))
+            .unwrap();
+    }
+    let flag = |name: &str, p: &EventPublisher| {
+        let replay = p.replay_endpoint().expect("a replay socket");
+        format!("{name}={},{replay}", p.endpoint())
+    };
+    let daemon = DaemonProcess::start(&["--endpoint", &flag(A, &pa), "--endpoint", &flag(B, &pb)]);
     daemon.wait_ready();
-    (daemon, pa, pb)
+    (daemon, [pa, pb])
 }
 
 #[test]
 fn a_protocol_1_filters_lookups_are_answered_as_that_release_answered_them() {
-    let (daemon, _pa, _pb) = daemon_with_two_endpoints();
+    let (daemon, _publishers) = daemon_with_two_endpoints(&[]);
     let released: Value = serde_json::from_slice(&wire("answer-prefix.json")).unwrap();
     for name in [
         "request-precise.json",
@@ -85,12 +90,10 @@ fn a_protocol_1_filters_lookups_are_answered_as_that_release_answered_them() {
 
 #[test]
 fn protocol_2_answers_the_candidates_asked_for_and_matches_blocks() {
-    let (daemon, _pa, pb) = daemon_with_two_endpoints();
     let tokens = prompt(5, 3);
     let k = keys(&tokens);
-    pb.publish(&batch(vec![stored(&tokens, 0, |d| d.block_key().0)]))
-        .unwrap();
-    wait_for("B's blocks", || daemon.matched(&k, B) == 3);
+    let (daemon, _publishers) = daemon_with_two_endpoints(&tokens);
+    assert_eq!(daemon.matched(&k, B), 3, "replayed before ready");
     let ask = |candidates: usize| {
         let body = json!({"blocks": k, "candidates": candidates, "book": {}}).to_string();
         let (status, text) = daemon.request("POST", protocol::LOOKUP_PATH, &body);

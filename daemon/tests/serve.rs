@@ -286,9 +286,14 @@ fn an_endpoint_removed_under_event_traffic_leaves_nothing_for_the_next_in_its_sl
     let dir = std::env::temp_dir().join(format!("kvaffined-slots-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("endpoints.json");
+    // B's own blocks, published before anyone follows it: each time B is added it
+    // replays them, and they are all the index may hold while B is alone.
+    let own_blocks = prompt(77, 3);
+    pb.publish(&batch(vec![stored(&own_blocks, 0, own)]))
+        .unwrap();
     let (a, b) = (
         json!({"endpoint": A, "events": pa.endpoint()}),
-        json!({"endpoint": B, "events": pb.endpoint()}),
+        json!({"endpoint": B, "events": pb.endpoint(), "replay": pb.replay_endpoint()}),
     );
     let follow = |entries: serde_json::Value| {
         let next = dir.join("next.json");
@@ -312,24 +317,26 @@ fn an_endpoint_removed_under_event_traffic_leaves_nothing_for_the_next_in_its_sl
             }
         })
     };
-    let listed = |name: &str| {
+    let alone = |name: &str| {
         let (_, value) = daemon.json("GET", "/v1/endpoints", "");
         let endpoints = value["endpoints"].as_array().unwrap().clone();
         endpoints.len() == 1 && endpoints[0]["endpoint"] == name
     };
+    let replayed_alone = |name: &str| alone(name) && daemon.endpoint_status(name)["synced"] == true;
     for round in 0..6 {
         follow(json!([a]));
         wait_for(&format!("A followed, round {round}"), || {
-            listed(A) && daemon.metric("kvaffined_index_entries") > 0.0
+            alone(A) && daemon.metric("kvaffined_index_entries") > 0.0
         });
         // B takes A's slot the moment A is gone.
         follow(json!([b]));
-        wait_for("B alone", || listed(B));
+        wait_for("B alone, replayed", || replayed_alone(B));
         assert_eq!(
             daemon.metric("kvaffined_index_entries"),
-            0.0,
+            3.0,
             "round {round}: blocks A's ingest applied after its removal count for B"
         );
+        assert_eq!(daemon.matched(&keys(&own_blocks), B), 3);
     }
     stop.store(true, Ordering::Relaxed);
     flood.join().unwrap();

@@ -6,8 +6,9 @@ Every finding is collected; the run fails once, at the end, listing them all. Se
 2. every rendered core Kubernetes object validates against the Kubernetes schema (offline,
    the schemas shipped by kubernetes-validate); custom resources (Gateway API, Envoy
    Gateway, Istio) get their required fields checked;
-3. the filter's schema (deploy/kong/kvaffine.meta.json) lists exactly FilterConfig's fields
-   (core/src/route.rs); kvaffined's flags and endpoint file are read from
+3. the filter's schema (deploy/kong/kvaffine.meta.json) lists exactly the filter's
+   configuration fields (GatewayConfig in filter/src/config.rs and RoutingConfig in
+   core/src/config.rs); kvaffined's flags and endpoint file are read from
    daemon/src/config.rs;
 4. the Kubernetes overlays agree with themselves and with those: vLLM flags, kvaffined
    flags and endpoint discovery (--discover-dns against the replicas' Service and the
@@ -900,7 +901,7 @@ def check_filter_schema(meta, filter_fields):
     fields = {f["name"] for f in filter_fields}
     required = {f["name"] for f in filter_fields if not f["default"]}
     if props != fields:
-        fail("kong/kvaffine.meta.json", f"properties differ from FilterConfig (core/src/route.rs): "
+        fail("kong/kvaffine.meta.json", f"properties differ from the filter's configuration fields: "
              f"missing {sorted(fields - props)}, unknown {sorted(props - fields)}")
     if set(schema.get("required", [])) != required:
         fail("kong/kvaffine.meta.json", f"required {sorted(schema.get('required', []))} != FilterConfig's "
@@ -1018,7 +1019,8 @@ def main():
     files = [(p.stem, p) for p in overlays] + extra
     validate_kubernetes(files, args.kubernetes_versions.split(","))
 
-    filter_fields = rust_struct_fields(args.repo / "core/src/route.rs", "FilterConfig")
+    filter_fields = (rust_struct_fields(args.repo / "filter/src/config.rs", "GatewayConfig")
+                     + rust_struct_fields(args.repo / "core/src/config.rs", "RoutingConfig"))
     context = {
         "serve_args": rust_struct_fields(args.repo / "daemon/src/config.rs", "ServeArgs"),
         "filter_configs": 0,

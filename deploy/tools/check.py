@@ -40,6 +40,7 @@ HCM_TYPE = ("type.googleapis.com/envoy.extensions.filters.network.http_connectio
 ROUTER = {"name": "envoy.filters.http.router",
           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
 DEFAULT_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+DEFAULT_TOKEN_VARIABLE = "KVAFFINE_INDEX_TOKEN"
 
 
 def fail(where, message):
@@ -379,7 +380,7 @@ def check_overlay(label, objects, context):
     daemon_flags = {f["long"] for f in context["serve_args"]}
     daemons = [(obj, c) for (kind, _), obj in objects.items() if kind == "Deployment"
                for c in pod_spec(obj)["containers"] if c["name"] == "kvaffined"]
-    dns_targets, sources = set(), []
+    dns_targets, sources, auth_secret = set(), [], None
     if len(daemons) != 1:
         fail(where, f"{len(daemons)} kvaffined containers (want 1)")
     for obj, daemon in daemons:
@@ -410,10 +411,17 @@ def check_overlay(label, objects, context):
                 fail(where, "the sidecar pod must alias kvaffined to 127.0.0.1 for the bootstrap's cluster")
         dns_targets = check_discovery(where, objects, obj, daemon, dargs, context)
         sources += [f for f in ("--discover-dns", "--config", "--discover", "--endpoint") if flag_values(dargs, f)]
+        token_file = flag_value(dargs, "--auth-token-file")
+        if token_file:
+            volume, _ = volume_for_path(obj, daemon, token_file)
+            auth_secret = ((volume or {}).get("secret") or {}).get("secretName")
+            if not auth_secret:
+                fail(where, f"kvaffined --auth-token-file {token_file} is not in a mounted Secret")
+            sources.append("--auth-token-file")
     check_unused(where, objects)
     gateway = objects.get(("Deployment", "kvaffine-gateway"))
     if gateway:
-        check_gateway(where, objects, gateway, context, dns_targets)
+        check_gateway(where, objects, gateway, context, dns_targets, auth_secret)
     ok(f"overlay {label}: vLLM, kvaffined ({' '.join(sources)}){', gateway' if gateway else ''} consistent",
        start)
 
@@ -534,7 +542,26 @@ def check_filter_json(filter_json, where, context, clusters=None):
                 fail(where, f"{key} {filter_json.get(key)!r} is not a cluster ({', '.join(sorted(clusters))})")
 
 
-def check_gateway(where, objects, gateway, context, dns_targets):
+def check_gateway_token(where, envoy, config, filter_json, auth_secret):
+    """Lookups carry a token exactly when kvaffined checks one, and from the same Secret."""
+    variable = filter_json.get("index_token_env") or DEFAULT_TOKEN_VARIABLE
+    env = {e["name"]: e for e in envoy.get("env", [])}
+    host_keys = config.get("vm_config", {}).get("environment_variables", {}).get("host_env_keys", [])
+    if not auth_secret:
+        if variable in env or filter_json.get("index_token"):
+            fail(where, "the gateway sends a lookup token but kvaffined checks none (--auth-token-file)")
+        return
+    if filter_json.get("index_token"):
+        fail(where, "index_token in a ConfigMap: take the token from kvaffined's Secret (index_token_env)")
+    source = env.get(variable, {}).get("valueFrom", {}).get("secretKeyRef", {})
+    if source.get("name") != auth_secret:
+        fail(where, f"kvaffined reads its tokens from Secret {auth_secret}, but Envoy's {variable} "
+             f"does not come from it")
+    if variable not in host_keys:
+        fail(where, f"the filter VM is not given {variable} (vm_config.environment_variables.host_env_keys)")
+
+
+def check_gateway(where, objects, gateway, context, dns_targets, auth_secret):
     envoy = next((c for c in pod_spec(gateway)["containers"] if c["name"] == "envoy"), None)
     if not envoy:
         fail(where, "the gateway Deployment has no container named envoy")
@@ -578,6 +605,7 @@ def check_gateway(where, objects, gateway, context, dns_targets):
         fail(where, f"the module {module} is not a file of the filter ConfigMap "
              f"(keys: {', '.join(sorted(filter_cm.get('binaryData', {})))})")
     filter_json = check_plugin_config(config, where, context, set(clusters))
+    check_gateway_token(where, envoy, config, filter_json or {}, auth_secret)
     header = (filter_json or {}).get("endpoint_header", DEFAULT_ENDPOINT_HEADER)
     pool_sources = [s.get("header") for p in clusters.get("pool", {}).get("load_balancing_policy", {})
                     .get("policies", []) for s in p["typed_extension_config"]["typed_config"]

@@ -50,6 +50,12 @@ pub struct GatewayConfig {
     /// `--auth-token-file` (default: none).
     #[serde(default)]
     pub index_token: Option<String>,
+    /// Variable of the filter VM's environment (Envoy: `vm_config.environment_variables`)
+    /// holding that token, so it can come from a Kubernetes Secret; used when
+    /// `index_token` is not set. Named here, it must be there; by default
+    /// `KVAFFINE_INDEX_TOKEN` is read if present.
+    #[serde(default)]
+    pub index_token_env: Option<String>,
     /// Deadline of each callout, milliseconds.
     #[serde(default = "default_timeout")]
     pub timeout_ms: u64,
@@ -84,6 +90,9 @@ impl GatewayConfig {
     }
 }
 
+/// The VM variable read for the lookup token when the configuration names none.
+pub const DEFAULT_TOKEN_VARIABLE: &str = "KVAFFINE_INDEX_TOKEN";
+
 /// A validated configuration.
 #[derive(Clone, Debug)]
 pub struct FilterConfig {
@@ -91,11 +100,21 @@ pub struct FilterConfig {
     pub gateway: GatewayConfig,
     /// How to key and route.
     pub router: Router,
+    /// The bearer token lookups carry, from `index_token` or the VM's environment.
+    pub index_token: Option<String>,
 }
 
 impl FilterConfig {
-    /// Parses and validates the plugin configuration.
+    /// Parses and validates the plugin configuration, reading the VM's environment.
     pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        Self::from_json_with(bytes, |name| std::env::var(name).ok())
+    }
+
+    /// As [`Self::from_json`], with `variable` as the VM's environment.
+    pub fn from_json_with(
+        bytes: &[u8],
+        variable: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
         let whole: Map<String, Value> = serde_json::from_slice(bytes)?;
         let gateway_fields = serde_aux::serde_introspection::serde_introspect::<GatewayConfig>();
         let (gateway, routing): (Map<String, Value>, Map<String, Value>) = whole
@@ -109,9 +128,25 @@ impl FilterConfig {
         if gateway.endpoint_header.is_empty() || gateway.model_header.is_empty() {
             return Err(ConfigError::Invalid("header names must not be empty"));
         }
+        let index_token = match (&gateway.index_token, &gateway.index_token_env) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::Invalid(
+                    "index_token and index_token_env are exclusive",
+                ));
+            }
+            (Some(token), None) => Some(token.clone()),
+            (None, Some(name)) => Some(variable(name).filter(|t| !t.is_empty()).ok_or(
+                ConfigError::Invalid(
+                    "index_token_env names a variable the VM's environment does not have \
+                     (Envoy: vm_config.environment_variables.host_env_keys)",
+                ),
+            )?),
+            (None, None) => variable(DEFAULT_TOKEN_VARIABLE).filter(|t| !t.is_empty()),
+        };
         Ok(Self {
             gateway,
             router: Router::new(routing)?,
+            index_token,
         })
     }
 }
@@ -147,10 +182,43 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
-        let unknown = FilterConfig::from_json(
+        let unknown = FilterConfig::from_json_with(
             br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":4,"nope":1}"#,
+            |_| None,
         )
         .unwrap_err();
         assert!(unknown.to_string().contains("nope"), "{unknown}");
+    }
+
+    #[test]
+    fn the_token_comes_from_the_configuration_or_the_environment() {
+        let env = |name: &str| match name {
+            DEFAULT_TOKEN_VARIABLE => Some("from-default".to_owned()),
+            "SECRET" => Some("from-secret".to_owned()),
+            _ => None,
+        };
+        let token = |extra: &str, env: &dyn Fn(&str) -> Option<String>| {
+            let json =
+                format!(r#"{{"tokenizer_cluster":"t","index_cluster":"i","block_size":4{extra}}}"#);
+            FilterConfig::from_json_with(json.as_bytes(), env).map(|c| c.index_token)
+        };
+        assert_eq!(
+            token(r#","index_token":"x""#, &env).unwrap().as_deref(),
+            Some("x")
+        );
+        assert_eq!(
+            token(r#","index_token_env":"SECRET""#, &env)
+                .unwrap()
+                .as_deref(),
+            Some("from-secret")
+        );
+        assert_eq!(token("", &env).unwrap().as_deref(), Some("from-default"));
+        assert_eq!(
+            token("", &|_| None).unwrap(),
+            None,
+            "no token anywhere: none"
+        );
+        assert!(token(r#","index_token_env":"MISSING""#, &env).is_err());
+        assert!(token(r#","index_token":"x","index_token_env":"SECRET""#, &env).is_err());
     }
 }

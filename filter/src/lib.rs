@@ -100,6 +100,12 @@ impl RootContext for Root {
         };
         match FilterConfig::from_json(&bytes) {
             Ok(config) => {
+                if config.gateway.index_token.is_none() && config.index_token.is_some() {
+                    log(
+                        LogLevel::Info,
+                        "kvaffine: lookups carry the token from the VM's environment",
+                    );
+                }
                 self.config = Some(Rc::new(config));
                 self.stats = Some(Rc::new(Stats::define()));
                 self.digests = Some(Rc::new(RefCell::new(DigestCache::new(
@@ -321,7 +327,7 @@ impl Request {
             gateway.index_authority(),
             path,
             &body,
-            gateway.index_token.as_deref(),
+            self.config.index_token.as_deref(),
         ) {
             Some(token) => {
                 self.phase = Phase::LookingUp {

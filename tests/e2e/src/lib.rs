@@ -79,6 +79,9 @@ pub struct StackConfig {
     pub filter: Value,
     /// Extra flags for kvaffined.
     pub daemon_args: Vec<String>,
+    /// Environment of the gateway process (its filter VM reads `KVAFFINE_INDEX_TOKEN`
+    /// from it; nothing else of the test's environment reaches the filter).
+    pub gateway_env: Vec<(String, String)>,
     /// kvaffined instances, active-active behind the `kvaffined` cluster.
     pub daemons: usize,
     /// Gateway port (0: any).
@@ -96,6 +99,7 @@ impl Default for StackConfig {
             replica_args: vec!["--time-scale".into(), "0".into()],
             filter: json!({}),
             daemon_args: Vec::new(),
+            gateway_env: Vec::new(),
             daemons: 1,
             gateway_port: 0,
             verbose: false,
@@ -419,6 +423,8 @@ impl Stack {
         let admin_path = self.dir.join("admin-address");
         let log = std::fs::File::create(self.dir.join("envoy.log"))?;
         let child = Command::new(envoy)
+            .env_remove("KVAFFINE_INDEX_TOKEN")
+            .envs(self.config.gateway_env.iter().map(|(k, v)| (k, v)))
             .arg("-c")
             .arg(&config_path)
             .arg("--admin-address-path")

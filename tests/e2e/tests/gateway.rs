@@ -456,6 +456,58 @@ fn the_shipped_envoy_configs_pass_envoys_own_validation() {
 /// gets 401s (counted) and fails open, every request answered; once the token is added
 /// to the file (no restart) the same filter routes by prefix; probes and metrics stay
 /// open, and the API refuses a request without a token.
+/// The filter's token can come from the gateway's environment (a Kubernetes Secret in
+/// the `standalone-auth` overlay): Envoy hands `KVAFFINE_INDEX_TOKEN` to the VM
+/// (`vm_config.environment_variables` in envoy/kvaffine-filter.yaml) and the filter
+/// sends it, with no token in its configuration.
+#[test]
+fn the_index_token_can_come_from_the_gateways_environment() {
+    let dir = std::env::temp_dir().join(format!("kvaffine-auth-env-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, "env-token\n").unwrap();
+    let stack = Stack::start(StackConfig {
+        daemon_args: vec!["--auth-token-file".into(), tokens.display().to_string()],
+        gateway_env: vec![("KVAFFINE_INDEX_TOKEN".into(), "env-token".into())],
+        ..StackConfig::default()
+    })
+    .unwrap();
+    let body = json!({"messages": long_history(60), "max_tokens": 4, "cache_salt": "auth-env"});
+    let first = chat(&stack, &body);
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(
+        first.header("x-kvaffine-reason"),
+        Some("load"),
+        "{:?}",
+        first.headers
+    );
+    let mut continued = body.clone();
+    let answer = first.json()["choices"][0]["message"].clone();
+    continued["messages"].as_array_mut().unwrap().push(answer);
+    continued["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": "go on"}));
+    let second = chat(&stack, &continued);
+    assert_eq!(
+        second.header("x-kvaffine-reason"),
+        Some("prefix"),
+        "{:?}",
+        second.headers
+    );
+    assert!(cached(&second) > 0);
+    let metrics = send(&stack.daemon_addr, "GET", "/metrics", &[], b"");
+    assert!(
+        !metrics
+            .body
+            .lines()
+            .any(|l| l.starts_with("kvaffined_unauthorized_requests_total ")
+                && l != "kvaffined_unauthorized_requests_total 0"),
+        "no lookup was refused"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn an_authenticated_index_routes_only_filters_holding_a_token() {
     let dir = std::env::temp_dir().join(format!("kvaffine-auth-e2e-{}", std::process::id()));

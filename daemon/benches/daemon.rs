@@ -97,8 +97,11 @@ fn settings() -> Settings {
         topic: String::new(),
         lora_paths: Default::default(),
         max_keys: 16_384,
+        max_inflight_lookups: 1024,
         max_entries: 100_000_000,
         booking_ttl: Duration::from_secs(2),
+        // Every pick booked, as the concurrency row says: no bound.
+        max_booked_keys: usize::MAX,
         scrape_interval: Duration::from_millis(500),
         prefill_tokens_per_second: 5000.0,
         request_overhead_tokens: 200,
@@ -400,6 +403,29 @@ fn memory(out: &mut String) {
     }
 }
 
+/// Heap bytes per booked key at the default `--max-booked-keys`, in bookings of 128 keys on
+/// 8 endpoints.
+fn booking_memory(out: &mut String) {
+    let mut rng = Rng(9);
+    let before = LIVE.load(Ordering::Relaxed);
+    let mut bookings = kvaffined::bookings::Bookings::new(1_000_000);
+    let expires = Instant::now() + Duration::from_secs(60);
+    let mut booked = 0usize;
+    let mut n = 0;
+    while booked + KEYS_PER_LOOKUP <= 1_000_000 {
+        let keys: Vec<BlockKey> = (0..KEYS_PER_LOOKUP).map(|_| BlockKey(rng.next())).collect();
+        assert!(bookings.book(Slot::new(n % ENDPOINTS).unwrap(), &keys, expires));
+        booked += keys.len();
+        n += 1;
+    }
+    let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
+    out.push_str(&format!(
+        "\n| bookings at {booked} booked keys ({n} picks of {KEYS_PER_LOOKUP}) | heap bytes / key |\n|---|---|\n| distinct keys | {:.1} |\n",
+        bytes / booked as f64
+    ));
+    drop(bookings);
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; nothing else to parse.
     let mut out = String::from("| what | p50 | p99 |\n|---|---|---|\n");
@@ -407,6 +433,7 @@ fn main() {
     http(&mut out);
     ingest(&mut out);
     memory(&mut out);
+    booking_memory(&mut out);
     concurrent(&mut out);
     println!("{out}");
 }

@@ -87,9 +87,13 @@ impl Backlogs {
     }
 }
 
-/// Live bookings, indexed by key for lookups, by last key for confirmation and by expiry.
+/// Live bookings, indexed by key for lookups, by last key for confirmation and by expiry,
+/// holding at most a bounded number of keys.
 #[derive(Default)]
 pub struct Bookings {
+    /// Keys held by live bookings, and the most they may hold.
+    keys: usize,
+    max_keys: usize,
     entries: HashMap<u64, Booking, RandomState>,
     next_id: u64,
     /// Key -> (slot, number of live bookings of that key on that slot).
@@ -101,14 +105,27 @@ pub struct Bookings {
 }
 
 impl Bookings {
-    /// Books `keys` on `slot` until `expires`.
-    pub fn book(&mut self, slot: Slot, keys: &[BlockKey], expires: Instant) {
+    /// No bookings; at most `max_keys` keys booked at once.
+    pub fn new(max_keys: usize) -> Self {
+        Self {
+            max_keys,
+            ..Self::default()
+        }
+    }
+
+    /// Books `keys` on `slot` until `expires`; false if that would pass the key bound (the
+    /// pick then counts only once its events arrive).
+    pub fn book(&mut self, slot: Slot, keys: &[BlockKey], expires: Instant) -> bool {
         let Some(&BlockKey(last)) = keys.last() else {
-            return;
+            return true;
         };
         if let Some(old) = self.by_last_key.remove(&(slot, last)) {
             self.drop_booking(old);
         }
+        if self.keys + keys.len() > self.max_keys {
+            return false;
+        }
+        self.keys += keys.len();
         let id = self.next_id;
         self.next_id += 1;
         for &BlockKey(key) in keys {
@@ -127,12 +144,14 @@ impl Bookings {
                 keys: keys.iter().map(|k| k.0).collect(),
             },
         );
+        true
     }
 
     fn drop_booking(&mut self, id: u64) {
         let Some(booking) = self.entries.remove(&id) else {
             return;
         };
+        self.keys -= booking.keys.len();
         if let Some(last) = booking.keys.last() {
             self.by_last_key.remove(&(booking.slot, *last));
         }
@@ -227,7 +246,7 @@ mod tests {
         let (a, b) = (Slot::new(0).unwrap(), Slot::new(3).unwrap());
         let now = Instant::now();
         let ttl = Duration::from_secs(2);
-        let mut bookings = Bookings::default();
+        let mut bookings = Bookings::new(100);
         bookings.book(a, &keys(&[1, 2, 3]), now + ttl);
         bookings.book(b, &keys(&[1, 2]), now + ttl);
         assert_eq!(bookings.holders(1), 0b1001);
@@ -247,7 +266,7 @@ mod tests {
     fn a_rebooked_prefix_expires_with_its_newest_booking() {
         let a = Slot::new(0).unwrap();
         let now = Instant::now();
-        let mut bookings = Bookings::default();
+        let mut bookings = Bookings::new(100);
         bookings.book(a, &keys(&[1, 2]), now + Duration::from_secs(1));
         bookings.book(a, &keys(&[1, 2]), now + Duration::from_secs(3));
         bookings.expire(now + Duration::from_secs(2));
@@ -258,6 +277,20 @@ mod tests {
         );
         bookings.expire(now + Duration::from_secs(3));
         assert!(bookings.is_empty());
+    }
+
+    #[test]
+    fn bookings_hold_at_most_their_key_bound() {
+        let a = Slot::new(0).unwrap();
+        let now = Instant::now();
+        let mut bookings = Bookings::new(5);
+        assert!(bookings.book(a, &keys(&[1, 2, 3]), now + Duration::from_secs(1)));
+        assert!(!bookings.book(a, &keys(&[4, 5, 6]), now + Duration::from_secs(1)));
+        assert_eq!(bookings.holders(4), 0);
+        // Rebooking the same prefix replaces it rather than adding to it.
+        assert!(bookings.book(a, &keys(&[1, 2, 3]), now + Duration::from_secs(2)));
+        bookings.expire(now + Duration::from_secs(2));
+        assert!(bookings.book(a, &keys(&[4, 5, 6, 7, 8]), now + Duration::from_secs(3)));
     }
 
     #[test]

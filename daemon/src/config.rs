@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// Most keys one lookup may carry (more: 413).
     #[arg(long, default_value_t = 16_384)]
     pub max_keys: usize,
+    /// Lookups handled at once; one more is refused at once with 503 (counted in
+    /// `kvaffined_shed_lookups_total`) rather than queued, and the filter routes it
+    /// unpinned within its deadline.
+    #[arg(long, default_value_t = 1024)]
+    pub max_inflight_lookups: usize,
     /// Most (block, endpoint) entries the index holds; past it new blocks are dropped and
     /// counted. Size it to the fleet's total KV blocks.
     #[arg(long, default_value_t = 50_000_000)]
@@ -66,6 +71,10 @@ pub struct ServeArgs {
     /// How long a booked pick counts as holding its prefix before events confirm it.
     #[arg(long, default_value_t = 2000)]
     pub booking_ttl_ms: u64,
+    /// Most block keys booked at once (about 110 bytes each); past it picks are not booked
+    /// (counted) until bookings expire or are confirmed.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub max_booked_keys: usize,
     /// How often each replica's `/metrics` is scraped.
     #[arg(long, default_value_t = 500)]
     pub scrape_interval_ms: u64,
@@ -211,10 +220,14 @@ pub struct Settings {
     pub lora_paths: HashMap<String, String>,
     /// Most keys per lookup.
     pub max_keys: usize,
+    /// Most lookups in flight.
+    pub max_inflight_lookups: usize,
     /// Index entry bound.
     pub max_entries: usize,
     /// Booking lifetime.
     pub booking_ttl: Duration,
+    /// Booked key bound.
+    pub max_booked_keys: usize,
     /// Scrape period.
     pub scrape_interval: Duration,
     /// Prefill speed assumed for pending bookings.
@@ -237,6 +250,9 @@ impl ServeArgs {
         if self.max_keys == 0 {
             bail!("--max-keys must be at least 1");
         }
+        if self.max_inflight_lookups == 0 {
+            bail!("--max-inflight-lookups must be at least 1");
+        }
         if self.prefill_tokens_per_second.is_nan() || self.prefill_tokens_per_second <= 0.0 {
             bail!("--prefill-tokens-per-second must be positive");
         }
@@ -255,8 +271,10 @@ impl ServeArgs {
             topic: self.topic.clone(),
             lora_paths: self.loras.iter().cloned().collect(),
             max_keys: self.max_keys,
+            max_inflight_lookups: self.max_inflight_lookups,
             max_entries: self.max_entries,
             booking_ttl: Duration::from_millis(self.booking_ttl_ms),
+            max_booked_keys: self.max_booked_keys,
             scrape_interval: Duration::from_millis(self.scrape_interval_ms.max(10)),
             prefill_tokens_per_second: self.prefill_tokens_per_second,
             request_overhead_tokens: self.request_overhead_tokens,

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use axum::Router;
 use axum::body::Bytes;
+use axum::error_handling::HandleErrorLayer;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{StatusCode, header};
@@ -31,6 +32,9 @@ pub enum ApiError {
     /// No bearer token, or not one of `--auth-token-file`'s.
     #[error("a bearer token of --auth-token-file is required")]
     Unauthorized,
+    /// `--max-inflight-lookups` lookups are being answered already.
+    #[error("overloaded: --max-inflight-lookups lookups are in flight")]
+    Overloaded,
 }
 
 impl IntoResponse for ApiError {
@@ -40,6 +44,7 @@ impl IntoResponse for ApiError {
             Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Body(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
         };
         let body = axum::Json(json!({ "error": self.to_string() }));
         if status == StatusCode::UNAUTHORIZED {
@@ -53,9 +58,27 @@ impl IntoResponse for ApiError {
 pub fn router(daemon: Arc<Daemon>) -> Router {
     // A u64 in JSON is at most 20 digits and a comma.
     let body_limit = daemon.settings.max_keys.saturating_mul(21) + 64 * 1024;
+    // Past the bound a lookup is refused at once: queueing it would only make it miss the
+    // filter's deadline later, with memory held meanwhile.
+    let shed = {
+        let counted = daemon.clone();
+        tower::ServiceBuilder::new()
+            .layer(HandleErrorLayer::new(move |_: axum::BoxError| {
+                let daemon = counted.clone();
+                async move {
+                    daemon.metrics.shed.inc();
+                    ApiError::Overloaded.into_response()
+                }
+            }))
+            .layer(tower::load_shed::LoadShedLayer::new())
+            .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+                daemon.settings.max_inflight_lookups,
+            ))
+    };
     let api = Router::new()
         .route(protocol::LOOKUP_PATH, post(lookup))
         .route(v1::LOOKUP_PATH, post(lookup_v1))
+        .route_layer(shed)
         .route("/v1/endpoints", get(endpoints))
         .route_layer(axum::middleware::from_fn_with_state(
             daemon.clone(),

@@ -76,6 +76,10 @@ pub struct Metrics {
     pub unauthorized: Counter,
     /// Lookups answered, by the reason of their ranking.
     pub lookups: Family<ReasonLabel, Counter>,
+    /// Lookups refused at `--max-inflight-lookups`.
+    pub shed: Counter,
+    /// Picks not booked at `--max-booked-keys`.
+    pub bookings_refused: Counter,
 }
 
 impl Default for Metrics {
@@ -98,6 +102,18 @@ impl Default for Metrics {
         let incomplete = Family::<EndpointLabel, Gauge>::default();
         let unauthorized = Counter::default();
         let lookups = Family::<ReasonLabel, Counter>::default();
+        let shed = Counter::default();
+        let bookings_refused = Counter::default();
+        registry.register(
+            "bookings_refused",
+            "Picks not booked because --max-booked-keys keys were booked",
+            bookings_refused.clone(),
+        );
+        registry.register(
+            "shed_lookups",
+            "Lookups refused with 503 because --max-inflight-lookups were in flight",
+            shed.clone(),
+        );
         registry.register(
             "lookups",
             "Lookups answered, by why the first-ranked endpoint is first",
@@ -192,6 +208,8 @@ impl Default for Metrics {
             incomplete,
             unauthorized,
             lookups,
+            shed,
+            bookings_refused,
         }
     }
 }

@@ -17,6 +17,13 @@ use crate::discovery::{
 use crate::metrics::EndpointLabel;
 use crate::state::{Daemon, Endpoint, EndpointStatus};
 
+/// Heap bytes per index entry, the upper end of what `cargo xtask bench daemon` measures
+/// (the table doubles at 7/8 load: 19 to 39 bytes).
+const INDEX_BYTES_PER_ENTRY: usize = 40;
+
+/// Heap bytes per booked key, rounded up from `cargo xtask bench daemon`'s figure.
+const BOOKED_BYTES_PER_KEY: usize = 112;
+
 /// How often discovery sources are polled.
 const DISCOVERY_POLL: Duration = Duration::from_secs(1);
 
@@ -49,6 +56,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(crate::auth::ApiTokens::load)
         .transpose()?;
+    info!(
+        "memory bound: the index holds at most {} (block, endpoint) entries (about {} MiB at \
+         {INDEX_BYTES_PER_ENTRY} bytes each), bookings at most {} keys (about {} MiB), \
+         lookups at most {} in flight (the next one gets 503)",
+        settings.max_entries,
+        settings.max_entries * INDEX_BYTES_PER_ENTRY >> 20,
+        settings.max_booked_keys,
+        settings.max_booked_keys * BOOKED_BYTES_PER_KEY >> 20,
+        settings.max_inflight_lookups,
+    );
     let daemon = Arc::new(Daemon::with_auth(settings, auth));
     let fleet = Fleet {
         daemon: daemon.clone(),

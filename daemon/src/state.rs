@@ -255,10 +255,11 @@ impl Daemon {
         let index = PrefixIndex::new(settings.max_entries);
         let history = History::new(settings.max_entries.min(10_000_000));
         let backlogs = Backlogs::new(settings.prefill_tokens_per_second);
+        let bookings = Bookings::new(settings.max_booked_keys);
         Self {
             settings,
             index: RwLock::new(index),
-            bookings: RwLock::new(Bookings::default()),
+            bookings: RwLock::new(bookings),
             backlogs: Mutex::new(backlogs),
             history: RwLock::new(history),
             endpoints: RwLock::new(Vec::new()),
@@ -443,7 +444,9 @@ impl Daemon {
                 let ttl = booking
                     .ttl_ms
                     .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
-                self.bookings.write().book(slot, keys, now + ttl);
+                if !self.bookings.write().book(slot, keys, now + ttl) {
+                    self.metrics.bookings_refused.inc();
+                }
             }
             Query::Text(keys) => self.history.write().record(slot, keys),
         }

@@ -125,3 +125,35 @@ fn protocol_2_answers_the_candidates_asked_for_and_matches_blocks() {
         "lookups are counted by reason"
     );
 }
+
+/// Past `--max-inflight-lookups` a lookup is refused at once with 503, counted, instead of
+/// queueing behind the others; the slot comes back when the lookup holding it is done. A
+/// lookup whose body has not finished arriving holds its slot, which makes the overload
+/// exact.
+#[test]
+fn past_the_inflight_bound_a_lookup_is_refused_at_once() {
+    use std::io::{Read, Write};
+    let daemon = DaemonProcess::start(&["--max-inflight-lookups", "1"]);
+    daemon.wait_ready();
+    let body = br#"{"blocks":[]}"#;
+    let mut held = std::net::TcpStream::connect(&daemon.addr).unwrap();
+    write!(
+        held,
+        "POST /v2/lookup HTTP/1.1\r\nhost: kvaffined\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    held.write_all(&body[..5]).unwrap();
+    held.flush().unwrap();
+    let lookup = || daemon.request("POST", protocol::LOOKUP_PATH, r#"{"blocks":[]}"#);
+    wait_for("the held lookup takes the only slot", || lookup().0 == 503);
+    let (status, text) = lookup();
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("--max-inflight-lookups"), "{text}");
+    assert!(daemon.metric("kvaffined_shed_lookups_total") >= 2.0);
+    held.write_all(&body[5..]).unwrap();
+    let mut answer = String::new();
+    held.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    wait_for("the slot is free again", || lookup().0 == 200);
+}

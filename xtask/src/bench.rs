@@ -236,6 +236,7 @@ fn scenarios_vllm() -> anyhow::Result<()> {
 pub fn reliability() -> anyhow::Result<()> {
     let load = stack_bench(&["load"])?;
     let ingest = stack_bench(&["ingest"])?;
+    let overload = stack_bench(&["overload"])?;
     let faults = Command::new(sh::cargo_bin())
         .args([
             "test",
@@ -273,7 +274,8 @@ pub fn reliability() -> anyhow::Result<()> {
                 .join("\n"),
         )
         .replace("{{LOAD}}", &load)
-        .replace("{{INGEST}}", &ingest);
+        .replace("{{INGEST}}", &ingest)
+        .replace("{{OVERLOAD}}", &overload);
     write(&sh::root().join("docs/reliability.md"), &md)?;
     println!("{md}");
     Ok(())

@@ -39,6 +39,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             args.get(2),
         ),
         Some("ingest") => ingest(),
+        Some("overload") => overload(),
         Some("peers") if args.get(2).is_some_and(|a| a == "vllm") => {
             peers_vllm(args.get(1).context("usage: bench peers OUT_DIR vllm")?)
         }
@@ -47,7 +48,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | load | ingest | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | load | ingest | overload | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -453,6 +454,200 @@ fn load() -> anyhow::Result<()> {
             (cpu_seconds(*pid) - before) / requests.max(1) as f64 * 1e6
         )?;
     }
+    println!("{out}");
+    Ok(())
+}
+
+/// The resident set of `pid`, in MiB.
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// `bench overload`: kvaffined flooded with lookups of `--max-keys` keys from 64
+/// connections, far past what it answers, with `--max-inflight-lookups 2`, while requests
+/// go through the gateway: what it sheds and how fast, what it answers and how fast, its
+/// memory against the bound it logs at start, and what the gateway's clients see.
+fn overload() -> anyhow::Result<()> {
+    const FLOOD: usize = 64;
+    const SECONDS: f64 = 20.0;
+    let stack = Stack::start(StackConfig {
+        block_size: 64,
+        replica_args: ["--time-scale", "0", "--num-gpu-blocks", "65536"]
+            .map(str::to_owned)
+            .to_vec(),
+        daemon_args: vec!["--max-inflight-lookups".into(), "2".into()],
+        ..StackConfig::default()
+    })?;
+    let daemon_pid = stack
+        .processes()
+        .into_iter()
+        .find(|(name, _)| name == "kvaffined")
+        .map(|(_, pid)| pid)
+        .context("no kvaffined process")?;
+    let runtime = kvaffine_e2e::load::runtime()?;
+    let client = kvaffine_e2e::load::client()?;
+    let lookup_url = format!("http://{}/v2/lookup", stack.daemon_addr);
+    // Every lookup books its 16,384 keys (replacing the last one's booking of them): the
+    // heaviest write a lookup can ask for.
+    let held: Vec<u64> = (0..16_384u64).collect();
+    let heavy = json!({"blocks": held, "candidates": 2, "book": {}}).to_string();
+    let gateway_url = format!("http://{}/v1/chat/completions", stack.gateway);
+    let template = chat_body(8 * 1024, "SALTXXXXXXXX").to_string().into_bytes();
+    let rss_before = rss_mib(daemon_pid);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(SECONDS);
+    type Outcomes = Vec<(u16, std::time::Duration, Option<String>)>;
+    let (flood, gateway, rss_max): (Vec<Outcomes>, Outcomes, f64) = runtime.block_on(async {
+        let flooders: Vec<_> = (0..FLOOD)
+            .map(|_| {
+                let (client, url, body) = (client.clone(), lookup_url.clone(), heavy.clone());
+                tokio::spawn(async move {
+                    let mut out = Vec::new();
+                    while std::time::Instant::now() < deadline {
+                        let start = std::time::Instant::now();
+                        let status = client
+                            .post(&url)
+                            .header("content-type", "application/json")
+                            .body(body.clone())
+                            .send()
+                            .await
+                            .map_or(0, |r| r.status().as_u16());
+                        out.push((status, start.elapsed(), None));
+                    }
+                    out
+                })
+            })
+            .collect();
+        let users = {
+            let (client, url, template) = (client.clone(), gateway_url.clone(), template.clone());
+            tokio::spawn(async move {
+                let bodies = fresh_salts(template, 77);
+                let mut out = Vec::new();
+                let mut n = 0;
+                while std::time::Instant::now() < deadline {
+                    let start = std::time::Instant::now();
+                    let answer = client
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(bodies(n))
+                        .send()
+                        .await;
+                    n += 1;
+                    let (status, reason) = answer.map_or((0, None), |r| {
+                        let reason = r
+                            .headers()
+                            .get("x-kvaffine-reason")
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_owned);
+                        (r.status().as_u16(), reason)
+                    });
+                    out.push((status, start.elapsed(), reason));
+                }
+                out
+            })
+        };
+        let mut rss_max = 0f64;
+        while std::time::Instant::now() < deadline {
+            rss_max = rss_max.max(rss_mib(daemon_pid));
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        let mut flood = Vec::new();
+        for f in flooders {
+            flood.push(f.await.unwrap_or_default());
+        }
+        (flood, users.await.unwrap_or_default(), rss_max)
+    });
+    let flood: Outcomes = flood.into_iter().flatten().collect();
+    let latencies = |status: u16, outcomes: &Outcomes| {
+        let mut l = Latencies(
+            outcomes
+                .iter()
+                .filter(|(s, _, _)| *s == status)
+                .map(|(_, d, _)| *d)
+                .collect(),
+        );
+        l.0.sort();
+        l
+    };
+    let (answered, shed) = (latencies(200, &flood), latencies(503, &flood));
+    let mut other: std::collections::BTreeMap<u16, usize> = Default::default();
+    for (status, _, _) in flood.iter().filter(|(s, _, _)| *s != 200 && *s != 503) {
+        *other.entry(*status).or_default() += 1;
+    }
+    let other = if other.is_empty() {
+        "none".to_owned()
+    } else {
+        other
+            .iter()
+            .map(|(s, n)| {
+                if *s == 0 {
+                    format!("{n} connection errors")
+                } else {
+                    format!("{n} x {s}")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (_, metrics) = vllm_emu::harness::http(&stack.daemon_addr, "GET", "/metrics", "");
+    let counted = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvaffined_shed_lookups_total "))
+        .unwrap_or("?")
+        .to_owned();
+    let mut out = String::new();
+    writeln!(
+        out,
+        "kvaffined with `--max-inflight-lookups 2`, flooded for {SECONDS:.0} s by {FLOOD} connections sending lookups of 16,384 keys as fast as it answers:\n"
+    )?;
+    writeln!(
+        out,
+        "| lookups | count | p50 | p99 | max |\n|---|---|---|---|---|"
+    )?;
+    for (name, l) in [("answered (200)", &answered), ("shed (503)", &shed)] {
+        writeln!(
+            out,
+            "| {name} | {} | {:.2} ms | {:.2} ms | {:.2} ms |",
+            l.0.len(),
+            ms(l.quantile(0.5)),
+            ms(l.quantile(0.99)),
+            ms(l.quantile(1.0))
+        )?;
+    }
+    writeln!(
+        out,
+        "\nOther outcomes: {other}. `kvaffined_shed_lookups_total` after the run: {counted}. kvaffined's RSS: {rss_before:.0} MiB before, at most {rss_max:.0} MiB during (the bound it logs at start with the default flags: about 2 GiB of index and 106 MiB of bookings).\n"
+    )?;
+    let served = gateway.iter().filter(|(s, _, _)| *s == 200).count();
+    let mut reasons: std::collections::BTreeMap<String, usize> = Default::default();
+    for (_, _, reason) in &gateway {
+        *reasons
+            .entry(reason.clone().unwrap_or_else(|| "none".into()))
+            .or_default() += 1;
+    }
+    let all = latencies(200, &gateway);
+    writeln!(
+        out,
+        "Meanwhile through the gateway (one client, 8 KB chat requests, fresh prompts; the filter's `timeout_ms` is 300): {} requests, {} answered 200 ({} failed); p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; reasons: {}.",
+        gateway.len(),
+        served,
+        gateway.len() - served,
+        ms(all.quantile(0.5)),
+        ms(all.quantile(0.99)),
+        ms(all.quantile(1.0)),
+        reasons
+            .iter()
+            .map(|(r, n)| format!("`{r}` {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )?;
     println!("{out}");
     Ok(())
 }

@@ -24,6 +24,8 @@ const INDEX_BYTES_PER_ENTRY: usize = 40;
 /// Heap bytes per booked key, rounded up from `cargo xtask bench daemon`'s figure.
 const BOOKED_BYTES_PER_KEY: usize = 112;
 
+const MIB: usize = 1 << 20;
+
 /// How often discovery sources are polled.
 const DISCOVERY_POLL: Duration = Duration::from_secs(1);
 
@@ -61,9 +63,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
          {INDEX_BYTES_PER_ENTRY} bytes each), bookings at most {} keys (about {} MiB), \
          lookups at most {} in flight (the next one gets 503)",
         settings.max_entries,
-        settings.max_entries * INDEX_BYTES_PER_ENTRY >> 20,
+        settings.max_entries.saturating_mul(INDEX_BYTES_PER_ENTRY) / MIB,
         settings.max_booked_keys,
-        settings.max_booked_keys * BOOKED_BYTES_PER_KEY >> 20,
+        settings
+            .max_booked_keys
+            .saturating_mul(BOOKED_BYTES_PER_KEY)
+            / MIB,
         settings.max_inflight_lookups,
     );
     let daemon = Arc::new(Daemon::with_auth(settings, auth));

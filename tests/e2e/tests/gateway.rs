@@ -19,6 +19,23 @@ fn long_history(seed: usize) -> Value {
     json!([{"role": "system", "content": "You are an agent."}, {"role": "user", "content": text}])
 }
 
+/// Turn 2 of `body` (`first`'s answer, then one more user turn) is routed to the replica
+/// holding turn 1 and served from its cache.
+fn continues_warm(stack: &Stack, body: &Value, first: &Reply) {
+    let mut continued = body.clone();
+    let messages = continued["messages"].as_array_mut().unwrap();
+    messages.push(first.json()["choices"][0]["message"].clone());
+    messages.push(json!({"role": "user", "content": "go on"}));
+    let second = chat(stack, &continued);
+    assert_eq!(
+        second.header("x-kvaffine-reason"),
+        Some("prefix"),
+        "{:?}",
+        second.headers
+    );
+    assert!(cached(&second) > 0);
+}
+
 fn cached(reply: &Reply) -> u64 {
     reply
         .json()
@@ -481,21 +498,7 @@ fn the_index_token_can_come_from_the_gateways_environment() {
         "{:?}",
         first.headers
     );
-    let mut continued = body.clone();
-    let answer = first.json()["choices"][0]["message"].clone();
-    continued["messages"].as_array_mut().unwrap().push(answer);
-    continued["messages"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({"role": "user", "content": "go on"}));
-    let second = chat(&stack, &continued);
-    assert_eq!(
-        second.header("x-kvaffine-reason"),
-        Some("prefix"),
-        "{:?}",
-        second.headers
-    );
-    assert!(cached(&second) > 0);
+    continues_warm(&stack, &body, &first);
     let metrics = send(&stack.daemon_addr, "GET", "/metrics", &[], b"");
     assert!(
         !metrics
@@ -545,22 +548,7 @@ fn an_authenticated_index_routes_only_filters_holding_a_token() {
         chat(&stack, &body(41)).header("x-kvaffine-reason") != Some("index-unavailable")
     })
     .unwrap();
-    let first = chat(&stack, &body(42));
-    let mut continued = body(42);
-    let answer = first.json()["choices"][0]["message"].clone();
-    continued["messages"].as_array_mut().unwrap().push(answer);
-    continued["messages"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({"role": "user", "content": "go on"}));
-    let second = chat(&stack, &continued);
-    assert_eq!(
-        second.header("x-kvaffine-reason"),
-        Some("prefix"),
-        "{:?}",
-        second.headers
-    );
-    assert!(cached(&second) > 0);
+    continues_warm(&stack, &body(42), &chat(&stack, &body(42)));
 
     let lookup = br#"{"keys": [1, 2, 3]}"#;
     let bare = send(

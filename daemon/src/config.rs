@@ -64,8 +64,10 @@ pub struct ServeArgs {
     /// unpinned within its deadline.
     #[arg(long, default_value_t = 1024)]
     pub max_inflight_lookups: usize,
-    /// Most (block, endpoint) entries the index holds; past it new blocks are dropped and
-    /// counted. Size it to the fleet's total KV blocks.
+    /// Most (block, endpoint) entries the index holds, shared equally by the followed
+    /// event streams; past its share a stream's new blocks are dropped and counted, so one
+    /// flooding replica cannot crowd out the others. Size it to the fleet's total KV
+    /// blocks.
     #[arg(long, default_value_t = 50_000_000)]
     pub max_entries: usize,
     /// How long a booked pick counts as holding its prefix before events confirm it.

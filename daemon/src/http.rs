@@ -188,6 +188,7 @@ async fn endpoints(State(daemon): State<Arc<Daemon>>) -> Response {
                 "replay": e.spec.replay,
                 "rank": e.spec.rank,
                 "slot": e.slot.index(),
+                "index_entries": daemon.index.read().slot_entries(e.slot),
                 "status": *e.status.lock(),
             })
         })

@@ -6,6 +6,7 @@
 //! every endpoint holding the block (figures in `docs/benchmarks/daemon.md`).
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 
 use foldhash::fast::RandomState;
 
@@ -46,12 +47,18 @@ pub struct StoreOutcome {
     pub dropped: usize,
 }
 
-/// Block keys by tier, with a bound on (block, slot) entries.
+/// Block keys by tier, with a bound on (block, slot) entries and a fair share of it per
+/// slot, so that one endpoint publishing without end cannot fill the index and leave no
+/// room for the others' new blocks.
 #[derive(Debug)]
 pub struct PrefixIndex {
     tiers: HashMap<String, Holders>,
     entries: usize,
     max_entries: usize,
+    /// Entries held per slot.
+    by_slot: [usize; MAX_SLOTS],
+    /// The most one slot may hold: `max_entries` over the slots in use.
+    share: usize,
 }
 
 impl PrefixIndex {
@@ -61,7 +68,16 @@ impl PrefixIndex {
             tiers: HashMap::new(),
             entries: 0,
             max_entries,
+            by_slot: [0; MAX_SLOTS],
+            share: max_entries,
         }
+    }
+
+    /// `slots` endpoints share the index from now on: each may hold at most its part of
+    /// the bound. A slot already over its new share keeps what it holds and adds nothing
+    /// until it is under it again.
+    pub fn share_among(&mut self, slots: usize) {
+        self.share = self.max_entries / slots.max(1);
     }
 
     /// Records that `slot` holds `keys` in `medium`.
@@ -71,26 +87,32 @@ impl PrefixIndex {
             None => self.tiers.entry(medium.to_owned()).or_default(),
         };
         let mut outcome = StoreOutcome::default();
+        let Some(held) = self.by_slot.get_mut(slot.index()) else {
+            return outcome;
+        };
         for &key in keys {
-            if let Some(set) = holders.get_mut(&key) {
-                if *set & slot.bit() == 0 {
-                    if self.entries >= self.max_entries {
-                        outcome.dropped += 1;
-                        continue;
-                    }
-                    *set |= slot.bit();
-                    self.entries += 1;
-                    outcome.added += 1;
+            let full = self.entries >= self.max_entries || *held >= self.share;
+            match holders.entry(key) {
+                Entry::Occupied(set) if *set.get() & slot.bit() != 0 => continue,
+                _ if full => {
+                    outcome.dropped += 1;
+                    continue;
                 }
-            } else if self.entries >= self.max_entries {
-                outcome.dropped += 1;
-            } else {
-                holders.insert(key, slot.bit());
-                self.entries += 1;
-                outcome.added += 1;
+                Entry::Occupied(mut set) => *set.get_mut() |= slot.bit(),
+                Entry::Vacant(set) => {
+                    set.insert(slot.bit());
+                }
             }
+            self.entries += 1;
+            *held += 1;
+            outcome.added += 1;
         }
         outcome
+    }
+
+    /// Entries `slot` holds.
+    pub fn slot_entries(&self, slot: Slot) -> usize {
+        self.by_slot.get(slot.index()).copied().unwrap_or(0)
     }
 
     /// Records that `slot` no longer holds `keys` in `medium`; returns pairs removed.
@@ -111,6 +133,9 @@ impl PrefixIndex {
             }
         }
         self.entries -= removed;
+        if let Some(held) = self.by_slot.get_mut(slot.index()) {
+            *held -= removed;
+        }
         removed
     }
 
@@ -128,6 +153,9 @@ impl PrefixIndex {
             });
         }
         self.entries -= removed;
+        if let Some(held) = self.by_slot.get_mut(slot.index()) {
+            *held -= removed;
+        }
         removed
     }
 
@@ -267,6 +295,27 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_holds_at_most_its_share_and_the_others_keep_room() {
+        let mut index = PrefixIndex::new(10);
+        index.share_among(2);
+        let flood: Vec<u64> = (100..200).collect();
+        let outcome = index.store(slot(0), GPU, &flood);
+        assert_eq!((outcome.added, outcome.dropped), (5, 95));
+        assert_eq!(index.store(slot(1), GPU, &[1, 2, 3]).added, 3);
+        assert_eq!(index.longest_prefixes(GPU, &[1, 2, 3])[1], 3);
+        assert_eq!(
+            (index.slot_entries(slot(0)), index.slot_entries(slot(1))),
+            (5, 3)
+        );
+        index.remove(slot(0), GPU, &[100]);
+        assert_eq!(index.slot_entries(slot(0)), 4);
+        assert_eq!(index.purge(slot(1)), 3);
+        assert_eq!(index.slot_entries(slot(1)), 0);
+        index.share_among(1);
+        assert_eq!(index.store(slot(0), GPU, &flood).added, 6);
+    }
+
+    #[test]
     fn agrees_with_a_naive_model_on_random_operations() {
         let mut index = PrefixIndex::new(usize::MAX);
         let mut model: Vec<std::collections::HashSet<u64>> = vec![Default::default(); 4];
@@ -304,6 +353,9 @@ mod tests {
                 index.entries(),
                 model.iter().map(|m| m.len()).sum::<usize>()
             );
+            for (n, held) in model.iter().enumerate() {
+                assert_eq!(index.slot_entries(slot(n)), held.len());
+            }
         }
     }
 }

@@ -187,7 +187,12 @@ impl Fleet {
             stop: AtomicBool::new(false),
             ingest: Mutex::new(None),
         });
-        self.daemon.endpoints.write().push(endpoint.clone());
+        let streams = {
+            let mut endpoints = self.daemon.endpoints.write();
+            endpoints.push(endpoint.clone());
+            endpoints.len()
+        };
+        self.daemon.index.write().share_among(streams);
         let ingest = crate::ingest::spawn(self.daemon.clone(), endpoint.clone())
             .context("cannot start an ingest thread")?;
         *endpoint.ingest.lock() = Some(ingest);
@@ -208,10 +213,11 @@ impl Fleet {
     async fn remove(&self, endpoint: &Arc<Endpoint>) {
         info!(endpoint = %endpoint.label.endpoint, "no longer configured: purging its blocks");
         endpoint.stop.store(true, Ordering::Relaxed);
-        self.daemon
-            .endpoints
-            .write()
-            .retain(|e| !Arc::ptr_eq(e, endpoint));
+        let streams = {
+            let mut endpoints = self.daemon.endpoints.write();
+            endpoints.retain(|e| !Arc::ptr_eq(e, endpoint));
+            endpoints.len()
+        };
         let ingest = endpoint.ingest.lock().take();
         if let Some(ingest) = ingest {
             if tokio::task::spawn_blocking(move || ingest.join())
@@ -221,7 +227,11 @@ impl Fleet {
                 warn!(endpoint = %endpoint.label.endpoint, "its ingest thread could not be joined");
             }
         }
-        self.daemon.index.write().purge(endpoint.slot);
+        {
+            let mut index = self.daemon.index.write();
+            index.purge(endpoint.slot);
+            index.share_among(streams);
+        }
         self.daemon.bookings.write().forget_slot(endpoint.slot);
         self.daemon.backlogs.lock().forget_slot(endpoint.slot);
         self.daemon.history.write().forget_slot(endpoint.slot);

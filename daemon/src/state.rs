@@ -100,6 +100,9 @@ pub struct EndpointStatus {
     pub decode_errors: u64,
     /// The last of them, as the decoder said.
     pub last_decode_error: Option<String>,
+    /// Its blocks refused by the index (its share of `--max-entries` held, or the index
+    /// full), since it was added.
+    pub dropped_entries: u64,
 }
 
 /// One endpoint in a ranking, as `/v1/lookup` answers it.

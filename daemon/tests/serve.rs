@@ -476,6 +476,91 @@ fn a_hostile_publisher_is_flagged_and_the_others_route_on() {
     assert_eq!(daemon.request("GET", "/healthz", "").0, 200);
 }
 
+/// One replica's socket publishes about 50,000 fresh blocks a second. With `--max-entries`
+/// 20,000 over two streams it fills its share (10,000) and no more; it is flagged
+/// (`dropped_entries` in `/v1/endpoints`, the metric), and the other replica's blocks,
+/// published during the flood, are indexed and ranked first.
+#[test]
+fn a_publisher_flooding_blocks_keeps_to_its_share_of_the_index() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+    let ctx = zmq::Context::new();
+    let (flooder, healthy) = (publisher(&ctx), publisher(&ctx));
+    let daemon = DaemonProcess::start(&[
+        "--max-entries",
+        "20000",
+        "--endpoint",
+        &endpoint_flag(A, &flooder),
+        "--endpoint",
+        &endpoint_flag(B, &healthy),
+    ]);
+    daemon.wait_ready();
+    let rss_before = daemon.rss_kib();
+    let flood_started = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (started, mut published, mut seed) = (Instant::now(), 0usize, 10_000u32);
+            while !stop.load(Ordering::Relaxed) {
+                let events: Vec<_> = (0..500)
+                    .map(|_| {
+                        seed += 1;
+                        stored(&prompt(seed, 1), 0, own)
+                    })
+                    .collect();
+                flooder.publish(&batch(events)).unwrap();
+                published += 500;
+                // About 50,000 a second: 500 every 10 ms, as far as this machine keeps up.
+                let due = started + Duration::from_millis(published as u64 / 50);
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            }
+            published as f64 / started.elapsed().as_secs_f64()
+        })
+    };
+    wait_for("the flooder past its share", || {
+        daemon.endpoint_status(A)["dropped_entries"].as_u64() > Some(0)
+    });
+    let tokens = prompt(5, 4);
+    let k = keys(&tokens);
+    wait_for(
+        "the healthy replica's blocks indexed during the flood",
+        || {
+            healthy
+                .publish(&batch(vec![stored(&tokens, 0, own)]))
+                .unwrap();
+            daemon.matched(&k, B) == 4
+        },
+    );
+    assert_eq!(daemon.lookup(&k)["ranked"][0], B);
+    // Sustained, the flood adds nothing: three seconds of it, then the same share.
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(flood_started.elapsed()));
+    stop.store(true, Ordering::Relaxed);
+    let rate = flood.join().unwrap();
+    let grown_mib = daemon.rss_kib().saturating_sub(rss_before) / 1024;
+    assert!(grown_mib < 64, "RSS grew {grown_mib} MiB under the flood");
+    let (_, endpoints) = daemon.json("GET", "/v1/endpoints", "");
+    let held = |name: &str| {
+        endpoints["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == name)
+            .unwrap()["index_entries"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(
+        held(A),
+        10_000,
+        "the flooder holds its share, at {rate:.0} blocks/s"
+    );
+    assert_eq!(held(B), 4);
+    assert!(daemon.metric("kvaffined_index_dropped_entries_total{endpoint=\"127.0.0.1:1\"}") > 0.0);
+    assert!(daemon.metric("kvaffined_index_entries") <= 20_000.0);
+}
+
 #[test]
 fn the_api_answers_bad_requests_with_json_errors() {
     let daemon = DaemonProcess::start(&["--max-keys", "4"]);

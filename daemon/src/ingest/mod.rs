@@ -53,9 +53,12 @@ struct Follower<'a> {
     warned_unknown_types: bool,
     /// When an undecodable message was last warned about.
     decode_warned: Option<Instant>,
+    /// When dropped index entries were last warned about.
+    dropped_warned: Option<Instant>,
 }
 
-/// Undecodable messages are warned about at most this often per endpoint.
+/// Undecodable messages, and dropped index entries, are warned about at most this often
+/// per endpoint.
 const DECODE_WARNING_EVERY: Duration = Duration::from_secs(10);
 
 fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
@@ -95,6 +98,7 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
         replay_started: None,
         warned_unknown_types: false,
         decode_warned: None,
+        dropped_warned: None,
     };
     info!(endpoint = %spec.endpoint, events = %spec.events, replay = ?spec.replay, "following KV events");
     if follower.replay_url.is_none() {
@@ -364,6 +368,18 @@ impl Follower<'_> {
                 .dropped_entries
                 .get_or_create(label)
                 .inc_by(report.dropped as u64);
+            let total = {
+                let mut status = self.endpoint.status.lock();
+                status.dropped_entries += report.dropped as u64;
+                status.dropped_entries
+            };
+            if self
+                .dropped_warned
+                .is_none_or(|at| at.elapsed() >= DECODE_WARNING_EVERY)
+            {
+                self.dropped_warned = Some(Instant::now());
+                warn!(endpoint = %label.endpoint, total, "its blocks are being dropped: it holds its share of --max-entries, or the index is full (further drops for {} s are only counted)", DECODE_WARNING_EVERY.as_secs());
+            }
         }
         if batch.skipped_unknown > 0 && !self.warned_unknown_types {
             self.warned_unknown_types = true;

@@ -172,6 +172,16 @@ impl DaemonProcess {
             .unwrap_or(0.0)
     }
 
+    /// The process's resident set, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+
     pub fn wait_ready(&self) {
         wait_for("daemon ready", || {
             self.request("GET", "/readyz", "").0 == 200

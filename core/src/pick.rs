@@ -30,6 +30,9 @@ pub struct Candidate {
     /// False when the replica cannot take traffic by kvaffine's knowledge (misconfigured
     /// for the keys, or its metrics unreachable): ranked after every usable one.
     pub usable: bool,
+    /// Its event stream is lost (the replica stopped, crashed or is restarting): ranked
+    /// after every other, usable or not, whatever it holds.
+    pub gone: bool,
 }
 
 /// The knobs of the ranking.
@@ -101,7 +104,8 @@ impl PickPolicy {
     /// Candidate indices, best first, and why the first is first, for a request of
     /// `request_blocks` blocks.
     ///
-    /// Order: usable before unusable; unsaturated before saturated; then the least
+    /// Order: replicas whose stream is there before those whose stream is gone; usable
+    /// before unusable; unsaturated before saturated; then the least
     /// [prefill cost](Self::cost), so a long cached prefix wins until the queue in front
     /// of it costs more than recomputing the prefix elsewhere; then fewer waiting, fewer
     /// running, lower KV usage; then input order starting at `rotation` (modulo the
@@ -114,7 +118,7 @@ impl PickPolicy {
         rotation: usize,
     ) -> (Vec<usize>, Reason) {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
-        let key = |c: &Candidate| (!c.usable, self.saturated(&c.load));
+        let key = |c: &Candidate| (c.gone, !c.usable, self.saturated(&c.load));
         let tail = |c: &Candidate| (c.load.waiting, c.load.running);
         let n = candidates.len().max(1);
         let turn = |i: usize| (i + n - rotation % n) % n;
@@ -135,7 +139,7 @@ impl PickPolicy {
         };
         let best_usable_match = candidates
             .iter()
-            .filter(|c| c.usable)
+            .filter(|c| c.usable && !c.gone)
             .map(|c| self.useful_match(c.matched_blocks))
             .max()
             .unwrap_or(0);
@@ -163,6 +167,7 @@ mod tests {
                 ..Load::default()
             },
             usable: true,
+            gone: false,
         }
     }
 
@@ -212,6 +217,19 @@ mod tests {
             (vec![1, 0], Reason::Load)
         );
         assert_eq!(policy.rank(10, &[], 0), (vec![], Reason::NoCandidates));
+    }
+
+    #[test]
+    fn a_replica_whose_stream_is_gone_ranks_after_all_others() {
+        let policy = PickPolicy::default();
+        let mut gone = c(9, 0);
+        gone.gone = true;
+        let mut unscraped = c(0, 0);
+        unscraped.usable = false;
+        assert_eq!(
+            policy.rank(10, &[gone, unscraped], 0),
+            (vec![1, 0], Reason::Load)
+        );
     }
 
     #[test]

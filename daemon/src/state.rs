@@ -103,6 +103,9 @@ pub struct EndpointStatus {
     /// Its blocks refused by the index (its share of `--max-entries` held, or the index
     /// full), since it was added.
     pub dropped_entries: u64,
+    /// Its event stream's connection went down and has not come back (the replica stopped,
+    /// crashed or is restarting): it is ranked after every replica that can take traffic.
+    pub events_disconnected: bool,
 }
 
 /// One endpoint in a ranking, as `/v1/lookup` answers it.
@@ -133,6 +136,8 @@ pub struct EndpointMatch {
     pub configured: bool,
     /// Its metrics were reachable at the last scrape (or not yet scraped).
     pub reachable: bool,
+    /// Its event stream is connected (or has not been lost since it was added).
+    pub connected: bool,
     /// Key alignment mode.
     pub alignment: &'static str,
 }
@@ -241,6 +246,7 @@ impl EndpointMatch {
         self.complete &= other.complete;
         self.synced &= other.synced;
         self.configured &= other.configured;
+        self.connected &= other.connected;
         if self.alignment != other.alignment {
             self.alignment = "mixed";
         }
@@ -318,6 +324,7 @@ impl Daemon {
                     pending_prefill_tokens: replica.record.pending_prefill_tokens,
                 },
                 usable: replica.record.reachable,
+                gone: !replica.record.connected,
             })
             .collect();
         let turn = self
@@ -406,6 +413,7 @@ impl Daemon {
                 synced: status.synced,
                 configured: status.misconfigured.is_none(),
                 reachable: status.scrape_error.is_none(),
+                connected: !status.events_disconnected,
                 alignment: status.alignment,
             };
             match replicas

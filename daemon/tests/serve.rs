@@ -98,6 +98,68 @@ fn without_a_replay_socket_a_gap_flags_the_endpoint_incomplete_but_keeps_it() {
     assert_eq!(daemon.lookup(&keys(&live))["ranked"][0], A);
 }
 
+/// A replica whose event stream goes away (its process stopped, crashed or is restarting)
+/// stops being pinned at once, even while it holds the longest prefix, and is ranked again
+/// when its stream is back.
+#[test]
+fn a_replica_whose_event_stream_is_gone_is_ranked_last_until_it_is_back() {
+    let first_process = zmq::Context::new();
+    let gone = publisher(&first_process);
+    let (pub_url, replay_url) = (
+        gone.endpoint().to_owned(),
+        gone.replay_endpoint().unwrap().to_owned(),
+    );
+    let ctx = zmq::Context::new();
+    let other = publisher(&ctx);
+    let held = prompt(40, 3);
+    gone.publish(&batch(vec![stored(&held, 0, own)])).unwrap();
+    let daemon = DaemonProcess::start(&[
+        "--endpoint",
+        &format!("{A}={pub_url},{replay_url}"),
+        "--endpoint",
+        &endpoint_flag(B, &other),
+    ]);
+    daemon.wait_ready();
+    let k = keys(&held);
+    assert_eq!(daemon.lookup(&k)["ranked"][0], A, "it holds the prefix");
+    drop(gone);
+    drop(first_process);
+    wait_for("the lost stream seen", || {
+        daemon.endpoint_status(A)["events_disconnected"] == true
+    });
+    let answer = daemon.lookup(&k);
+    assert_eq!(answer["ranked"][0], B, "{answer}");
+    let record = |answer: &serde_json::Value| {
+        answer["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == A)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(record(&answer)["connected"], false);
+    let restarted = EventPublisher::start(
+        &ctx,
+        PublisherConfig {
+            endpoint: pub_url.clone(),
+            replay_endpoint: Some(replay_url.clone()),
+            ..PublisherConfig::default()
+        },
+    )
+    .unwrap();
+    wait_for("the stream back", || {
+        daemon.endpoint_status(A)["events_disconnected"] == false
+    });
+    let fresh = prompt(41, 2);
+    wait_for("ranked first again for what it holds now", || {
+        restarted
+            .publish(&batch(vec![stored(&fresh, 0, own)]))
+            .unwrap();
+        daemon.lookup(&keys(&fresh))["ranked"][0] == A
+    });
+}
+
 #[test]
 fn a_restarted_replica_is_purged_and_resynced() {
     // The first "process" has its own context: terminating it releases the ports, as a

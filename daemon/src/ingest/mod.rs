@@ -135,10 +135,12 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
                     .and_then(|f| f.get(..2))
                     .map(|b| u16::from_le_bytes([b[0], b[1]]));
                 if code == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
-                    debug!(endpoint = %spec.endpoint, "event stream disconnected");
+                    info!(endpoint = %spec.endpoint, "event stream disconnected: ranking it last until it is back");
                     disconnected = true;
+                    endpoint.status.lock().events_disconnected = true;
                 } else if code == Some(zmq::SocketEvent::CONNECTED.to_raw()) && disconnected {
                     disconnected = false;
+                    endpoint.status.lock().events_disconnected = false;
                     info!(endpoint = %spec.endpoint, "event stream reconnected: checking for a restart");
                     let actions = follower.sequencer.on_reconnect();
                     follower.perform(actions)?;

@@ -115,12 +115,12 @@ async fn authorize(
     }
 }
 
-/// Reads a lookup body of either protocol, within `--max-keys`.
+/// Reads a lookup body of either protocol as the current one, within `--max-keys`.
 fn read_lookup<T: serde::de::DeserializeOwned>(
     daemon: &Daemon,
     body: Result<Bytes, BytesRejection>,
-    keys: impl Fn(&T) -> usize,
-) -> Result<T, ApiError> {
+    current: impl FnOnce(T) -> LookupRequest,
+) -> Result<LookupRequest, ApiError> {
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::TooLarge(format!(
@@ -131,16 +131,33 @@ fn read_lookup<T: serde::de::DeserializeOwned>(
             ApiError::Body(rejection.body_text())
         }
     })?;
-    let request: T =
-        serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    if keys(&request) > daemon.settings.max_keys {
+    let request =
+        current(serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?);
+    if request.query.len() > daemon.settings.max_keys {
         return Err(ApiError::TooLarge(format!(
             "{} keys exceed --max-keys {}",
-            keys(&request),
+            request.query.len(),
             daemon.settings.max_keys
         )));
     }
     Ok(request)
+}
+
+/// Ranks and books `request`, answering in the form `answer` makes of it; timed from
+/// `started` (the request's arrival).
+fn answer<A: serde::Serialize>(
+    daemon: &Daemon,
+    started: Instant,
+    request: &LookupRequest,
+    answer: impl FnOnce(crate::state::Ranking, Option<String>) -> A,
+) -> Response {
+    let (ranking, booked) = daemon.lookup(request, Instant::now());
+    let body = axum::Json(answer(ranking, booked)).into_response();
+    daemon
+        .metrics
+        .lookup_seconds
+        .observe(started.elapsed().as_secs_f64());
+    body
 }
 
 /// `POST /v2/lookup`: the top candidates only.
@@ -149,14 +166,10 @@ async fn lookup(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let request: LookupRequest = read_lookup(&daemon, body, |r: &LookupRequest| r.query.len())?;
-    let (ranking, booked) = daemon.lookup(&request, Instant::now());
-    let answer = ranking.answer(request.candidates, booked);
-    daemon
-        .metrics
-        .lookup_seconds
-        .observe(started.elapsed().as_secs_f64());
-    Ok(axum::Json(answer).into_response())
+    let request = read_lookup(&daemon, body, |request: LookupRequest| request)?;
+    Ok(answer(&daemon, started, &request, |ranking, booked| {
+        ranking.answer(request.candidates, booked)
+    }))
 }
 
 /// `POST /v1/lookup`: protocol 1, every endpoint's record (older filters, and people).
@@ -165,15 +178,10 @@ async fn lookup_v1(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let request: v1::Request = read_lookup(&daemon, body, |r: &v1::Request| r.keys.len())?;
-    let request = request.into_current();
-    let (ranking, booked) = daemon.lookup(&request, Instant::now());
-    let answer = ranking.into_v1(booked);
-    daemon
-        .metrics
-        .lookup_seconds
-        .observe(started.elapsed().as_secs_f64());
-    Ok(axum::Json(answer).into_response())
+    let request = read_lookup(&daemon, body, v1::Request::into_current)?;
+    Ok(answer(&daemon, started, &request, |ranking, booked| {
+        ranking.into_v1(booked)
+    }))
 }
 
 async fn endpoints(State(daemon): State<Arc<Daemon>>) -> Response {

@@ -161,10 +161,7 @@ impl PrefixIndex {
 
     /// For every slot, how many of `keys` it holds contiguously from `keys[0]` in `medium`.
     pub fn longest_prefixes(&self, medium: &str, keys: &[u64]) -> [u32; MAX_SLOTS] {
-        let tier = self.tiers.get(medium);
-        longest_prefixes_by(keys.iter().copied(), |key| {
-            tier.and_then(|h| h.get(&key)).copied().unwrap_or(0)
-        })
+        longest_prefixes_by(keys.iter().copied(), self.tier(medium))
     }
 
     /// The `medium` tier's holder sets, for walks that add holders of their own.

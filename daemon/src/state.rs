@@ -363,12 +363,12 @@ impl Daemon {
                 }
                 let keys = || keys.iter().map(|k| k.0);
                 let index = self.index.read();
-                let indexed = longest_prefixes_by(keys(), index.tier(GPU));
+                let gpu = index.tier(GPU);
+                let indexed = longest_prefixes_by(keys(), &gpu);
                 let bookings = self.bookings.read();
                 let matched = if bookings.is_empty() {
                     indexed
                 } else {
-                    let gpu = index.tier(GPU);
                     longest_prefixes_by(keys(), |k| gpu(k) | bookings.holders(k))
                 };
                 let tiers = index

@@ -22,6 +22,19 @@ fn endpoint_flag(name: &str, p: &EventPublisher) -> String {
     }
 }
 
+/// A new publisher process on an earlier one's addresses: seq from 0, nothing cached.
+fn restart_publisher(ctx: &zmq::Context, events: &str, replay: &str) -> EventPublisher {
+    EventPublisher::start(
+        ctx,
+        PublisherConfig {
+            endpoint: events.to_owned(),
+            replay_endpoint: Some(replay.to_owned()),
+            ..PublisherConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 fn own(d: &Digest) -> u64 {
     d.block_key().0
 }
@@ -139,15 +152,7 @@ fn a_replica_whose_event_stream_is_gone_is_ranked_last_until_it_is_back() {
             .clone()
     };
     assert_eq!(record(&answer)["connected"], false);
-    let restarted = EventPublisher::start(
-        &ctx,
-        PublisherConfig {
-            endpoint: pub_url.clone(),
-            replay_endpoint: Some(replay_url.clone()),
-            ..PublisherConfig::default()
-        },
-    )
-    .unwrap();
+    let restarted = restart_publisher(&ctx, &pub_url, &replay_url);
     wait_for("the stream back", || {
         daemon.endpoint_status(A)["events_disconnected"] == false
     });
@@ -181,15 +186,7 @@ fn a_restarted_replica_is_purged_and_resynced() {
     drop(first_process);
     let ctx = zmq::Context::new();
     // The same addresses, a new process: seq starts at 0 again, the cache is empty.
-    let restarted = EventPublisher::start(
-        &ctx,
-        PublisherConfig {
-            endpoint: pub_url.clone(),
-            replay_endpoint: Some(replay_url.clone()),
-            ..PublisherConfig::default()
-        },
-    )
-    .unwrap();
+    let restarted = restart_publisher(&ctx, &pub_url, &replay_url);
     let fresh = prompt(31, 2);
     wait_for("the restart to be seen", || {
         restarted

@@ -19,6 +19,18 @@ fn long_history(seed: usize) -> Value {
     json!([{"role": "system", "content": "You are an agent."}, {"role": "user", "content": text}])
 }
 
+/// kvaffined's count of API calls refused for their token (`/metrics` needs none).
+fn unauthorized(stack: &Stack) -> f64 {
+    let metrics = send(&stack.daemon_addr, "GET", "/metrics", &[], b"");
+    assert_eq!(metrics.status, 200, "/metrics needs no token");
+    metrics
+        .body
+        .lines()
+        .find_map(|l| l.strip_prefix("kvaffined_unauthorized_requests_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .expect("kvaffined_unauthorized_requests_total is exported")
+}
+
 /// Turn 2 of `body` (`first`'s answer, then one more user turn) is routed to the replica
 /// holding turn 1 and served from its cache.
 fn continues_warm(stack: &Stack, body: &Value, first: &Reply) {
@@ -499,15 +511,7 @@ fn the_index_token_can_come_from_the_gateways_environment() {
         first.headers
     );
     continues_warm(&stack, &body, &first);
-    let metrics = send(&stack.daemon_addr, "GET", "/metrics", &[], b"");
-    assert!(
-        !metrics
-            .body
-            .lines()
-            .any(|l| l.starts_with("kvaffined_unauthorized_requests_total ")
-                && l != "kvaffined_unauthorized_requests_total 0"),
-        "no lookup was refused"
-    );
+    assert_eq!(unauthorized(&stack), 0.0, "no lookup was refused");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -530,16 +534,6 @@ fn an_authenticated_index_routes_only_filters_holding_a_token() {
         refused.header("x-kvaffine-reason"),
         Some("index-unavailable")
     );
-    let unauthorized = |stack: &Stack| {
-        let metrics = send(&stack.daemon_addr, "GET", "/metrics", &[], b"");
-        assert_eq!(metrics.status, 200, "/metrics needs no token");
-        metrics
-            .body
-            .lines()
-            .find_map(|l| l.strip_prefix("kvaffined_unauthorized_requests_total "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
     assert!(unauthorized(&stack) >= 1.0);
 
     // Rotation: the new token joins the file; the filter's lookups pass once it is re-read.

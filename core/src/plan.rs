@@ -68,15 +68,19 @@ pub enum Action {
 pub struct Plan {
     /// The body's `model`, for the model header and the lookup.
     pub model: Option<String>,
+    /// Whether the client asked for a streamed answer (`"stream": true`): its response
+    /// headers come before any token, so a replica that sends none soon is not working.
+    pub streamed: bool,
     /// Salt and LoRA that enter the keys.
     pub extras: KeyExtras,
     /// The next step.
     pub action: Action,
 }
 
-fn skip(model: Option<String>, why: Skip) -> Plan {
+fn skip(model: Option<String>, streamed: bool, why: Skip) -> Plan {
     Plan {
         model,
+        streamed,
         extras: KeyExtras::default(),
         action: Action::Skip(why),
     }
@@ -154,22 +158,23 @@ fn name_reasoning(messages: &mut [Value]) {
 /// or a route's override).
 pub fn plan(router: &Router, api: Api, mode: Mode, body: &[u8]) -> Plan {
     let Ok(value) = serde_json::from_slice::<Value>(body) else {
-        return skip(None, Skip::NotJson);
+        return skip(None, false, Skip::NotJson);
     };
     if !value.is_object() {
-        return skip(None, Skip::NotAnObject);
+        return skip(None, false, Skip::NotAnObject);
     }
     let model = value
         .get("model")
         .and_then(Value::as_str)
         .map(str::to_owned);
+    let streamed = value.get("stream").and_then(Value::as_bool) == Some(true);
     let cache_salt = match value.get("cache_salt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => match CacheSalt::parse(s) {
             Ok(salt) => Some(salt),
-            Err(_) => return skip(model, Skip::InvalidCacheSalt),
+            Err(_) => return skip(model, streamed, Skip::InvalidCacheSalt),
         },
-        Some(_) => return skip(model, Skip::InvalidCacheSalt),
+        Some(_) => return skip(model, streamed, Skip::InvalidCacheSalt),
     };
     let lora = model.as_ref().and_then(|name| {
         router.config.loras.get(name).map(|path| LoraAdapter {
@@ -183,11 +188,12 @@ pub fn plan(router: &Router, api: Api, mode: Mode, body: &[u8]) -> Plan {
     } else {
         match plan_api(router, api, mode, body, &value, model.as_deref(), &extras) {
             Ok(action) => action,
-            Err(why) => return skip(model, why),
+            Err(why) => return skip(model, streamed, why),
         }
     };
     Plan {
         model,
+        streamed,
         extras,
         action,
     }
@@ -333,6 +339,22 @@ mod tests {
             panic!()
         };
         assert_eq!((path, call.as_slice()), ("/tokenize", &body[..]));
+    }
+
+    #[test]
+    fn only_a_true_stream_field_makes_a_request_streamed() {
+        let r = router(r#"{"block_size":4}"#);
+        let streamed =
+            |body: &str| plan(&r, Api::ChatCompletions, Mode::Precise, body.as_bytes()).streamed;
+        let chat =
+            |extra: &str| format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+        assert!(streamed(&chat(r#","stream":true"#)));
+        assert!(!streamed(&chat(r#","stream":false"#)));
+        assert!(!streamed(&chat(r#","stream":"yes""#)));
+        assert!(!streamed(&chat("")));
+        // Known even when routing skips the request.
+        assert!(streamed(&chat(r#","stream":true,"cache_salt":7"#)));
+        assert!(!streamed("not json"));
     }
 
     #[test]

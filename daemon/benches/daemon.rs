@@ -99,6 +99,7 @@ fn settings() -> Settings {
         max_keys: 16_384,
         max_inflight_lookups: 1024,
         max_entries: 100_000_000,
+        max_event_message_bytes: 64 << 20,
         booking_ttl: Duration::from_secs(2),
         // Every pick booked, as the concurrency row says: no bound.
         max_booked_keys: usize::MAX,

@@ -212,6 +212,11 @@ impl Bookings {
         })
     }
 
+    /// Keys held by live bookings (expired ones count until a lookup drops them).
+    pub fn booked_keys(&self) -> usize {
+        self.keys
+    }
+
     /// Whether any booking is live (lookups skip the overlay otherwise).
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()

@@ -11,6 +11,9 @@ use clap::Args;
 use kvaffine_core::{HashAlgo, KeyConfig, PickPolicy, VllmCompat};
 use serde::Deserialize;
 
+/// A mebibyte, for byte flags.
+const MIB_BYTES: i64 = 1 << 20;
+
 /// Flags of `kvaffined serve`.
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -70,6 +73,12 @@ pub struct ServeArgs {
     /// blocks.
     #[arg(long, default_value_t = 50_000_000)]
     pub max_entries: usize,
+    /// Largest KV-event message (or replay answer) read from a replica; a larger one is
+    /// refused by libzmq, which drops that connection, so a broken or hostile publisher
+    /// cannot make kvaffined buffer it. vLLM's largest is one batch of a very long prompt,
+    /// about 8 bytes per prompt token.
+    #[arg(long, default_value_t = 64 * MIB_BYTES)]
+    pub max_event_message_bytes: i64,
     /// How long a booked pick counts as holding its prefix before events confirm it.
     #[arg(long, default_value_t = 2000)]
     pub booking_ttl_ms: u64,
@@ -226,6 +235,8 @@ pub struct Settings {
     pub max_inflight_lookups: usize,
     /// Index entry bound.
     pub max_entries: usize,
+    /// Largest event message accepted.
+    pub max_event_message_bytes: i64,
     /// Booking lifetime.
     pub booking_ttl: Duration,
     /// Booked key bound.
@@ -275,6 +286,7 @@ impl ServeArgs {
             max_keys: self.max_keys,
             max_inflight_lookups: self.max_inflight_lookups,
             max_entries: self.max_entries,
+            max_event_message_bytes: self.max_event_message_bytes.max(1),
             booking_ttl: Duration::from_millis(self.booking_ttl_ms),
             max_booked_keys: self.max_booked_keys,
             scrape_interval: Duration::from_millis(self.scrape_interval_ms.max(10)),

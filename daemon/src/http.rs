@@ -218,6 +218,8 @@ async fn metrics(State(daemon): State<Arc<Daemon>>) -> Response {
         daemon.metrics.index_entries.set(index.entries() as i64);
         daemon.metrics.index_bytes.set(index.table_bytes() as i64);
     }
+    let booked = daemon.bookings.read().booked_keys();
+    daemon.metrics.booked_keys.set(booked as i64);
     (
         [(
             header::CONTENT_TYPE,

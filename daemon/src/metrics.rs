@@ -64,6 +64,8 @@ pub struct Metrics {
     pub index_entries: Gauge,
     /// Bytes of the index tables.
     pub index_bytes: Gauge,
+    /// Block keys held by live bookings.
+    pub booked_keys: Gauge,
     /// Lookup handling time, seconds.
     pub lookup_seconds: Histogram,
     /// 1 for the endpoint's current alignment mode.
@@ -96,6 +98,7 @@ impl Default for Metrics {
         let event_lag = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let index_entries = Gauge::default();
         let index_bytes = Gauge::default();
+        let booked_keys = Gauge::default();
         let lookup_seconds = Histogram::new(exponential_buckets(0.000_002, 2.0, 16));
         let alignment = Family::<ModeLabel, Gauge>::default();
         let misconfigured = Family::<EndpointLabel, Gauge>::default();
@@ -166,6 +169,11 @@ impl Default for Metrics {
             index_bytes.clone(),
         );
         registry.register(
+            "booked_keys",
+            "Block keys held by live bookings",
+            booked_keys.clone(),
+        );
+        registry.register(
             "lookup_seconds",
             "Lookup handling time",
             lookup_seconds.clone(),
@@ -202,6 +210,7 @@ impl Default for Metrics {
             event_lag,
             index_entries,
             index_bytes,
+            booked_keys,
             lookup_seconds,
             alignment,
             misconfigured,

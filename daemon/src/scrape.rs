@@ -103,26 +103,36 @@ pub fn parse_metrics(text: &str) -> Scrape {
     scrape
 }
 
-/// Scrapes `endpoint` every interval until it is stopped.
+/// Scrapes `endpoint` (`/metrics`, then `/health`) every interval until it is stopped; a
+/// replica that does not answer both is unreachable, and ranked after those that do.
 pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::Client) {
     let url = format!("http://{}/metrics", endpoint.spec.endpoint);
+    let health_url = format!("http://{}/health", endpoint.spec.endpoint);
     let mut ticker = tokio::time::interval(daemon.settings.scrape_interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !endpoint.stop.load(Ordering::Relaxed) {
         ticker.tick().await;
+        let timeout = daemon
+            .settings
+            .scrape_interval
+            .max(std::time::Duration::from_millis(200));
         let result = async {
             let response = client
                 .get(&url)
-                .timeout(
-                    daemon
-                        .settings
-                        .scrape_interval
-                        .max(std::time::Duration::from_millis(200)),
-                )
+                .timeout(timeout)
                 .send()
                 .await?
                 .error_for_status()?;
-            response.text().await
+            let text = response.text().await?;
+            // `/metrics` answers as long as the HTTP server lives; `/health` says whether
+            // the engine behind it does (vLLM answers 503 once its engine core is dead).
+            client
+                .get(&health_url)
+                .timeout(timeout)
+                .send()
+                .await?
+                .error_for_status()?;
+            Ok::<_, reqwest::Error>(text)
         }
         .await;
         let mut status = endpoint.status.lock();
@@ -130,7 +140,7 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
             Ok(text) => {
                 let scrape = parse_metrics(&text);
                 if status.scrape_error.take().is_some() {
-                    tracing::info!(endpoint = %endpoint.spec.endpoint, "metrics reachable again");
+                    tracing::info!(endpoint = %endpoint.spec.endpoint, "metrics and health reachable again");
                 }
                 status.load = Some(scrape.load);
                 status.model = scrape.model.clone();
@@ -155,7 +165,7 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
             }
             Err(err) => {
                 if status.scrape_error.is_none() {
-                    warn!(endpoint = %endpoint.spec.endpoint, "cannot scrape {url}: {err}");
+                    warn!(endpoint = %endpoint.spec.endpoint, "unreachable, ranked after the others: {err}");
                 }
                 status.scrape_error = Some(err.to_string());
             }

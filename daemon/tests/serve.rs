@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use kvaffine_core::Digest;
+use kvaffine_core::events::EventFormat;
 use serde_json::json;
 use vllm_emu::publisher::{EventPublisher, PublisherConfig};
 
@@ -533,6 +534,53 @@ fn a_hostile_publisher_is_flagged_and_the_others_route_on() {
     assert_eq!(answer["ranked"][0], B);
     assert_eq!(answer["reason"], "prefix");
     assert_eq!(daemon.request("GET", "/healthz", "").0, 200);
+}
+
+/// A message past `--max-event-message-bytes` is never read: libzmq drops the connection
+/// instead of buffering it, so its blocks, valid as they are, are not indexed; the
+/// publisher's next small batch is, once it has reconnected, and the other replica's
+/// routing is untouched.
+#[test]
+fn an_event_message_past_the_byte_bound_is_refused_and_the_stream_goes_on() {
+    let ctx = zmq::Context::new();
+    let no_replay = || PublisherConfig {
+        replay_endpoint: None,
+        ..PublisherConfig::default()
+    };
+    let (big, healthy) = (
+        EventPublisher::start(&ctx, no_replay()).unwrap(),
+        EventPublisher::start(&ctx, no_replay()).unwrap(),
+    );
+    let daemon = DaemonProcess::start(&[
+        "--max-event-message-bytes",
+        "65536",
+        "--endpoint",
+        &endpoint_flag(A, &big),
+        "--endpoint",
+        &endpoint_flag(B, &healthy),
+    ]);
+    daemon.wait_ready();
+    let small = prompt(90, 2);
+    wait_for("the stream followed", || {
+        big.publish(&batch(vec![stored(&small, 0, own)])).unwrap();
+        daemon.matched(&keys(&small), A) == 2
+    });
+    let long = prompt(91, 32_768 / BLOCK_SIZE);
+    let long_batch = batch(vec![stored(&long, 0, own)]);
+    let bytes = kvaffine_core::events::encode_batch(&long_batch, EventFormat::Map).len();
+    assert!(bytes > 65_536, "{bytes} bytes");
+    big.publish(&long_batch).unwrap();
+    let after = prompt(92, 3);
+    let good = prompt(93, 2);
+    wait_for("the next small batch indexed after a reconnect", || {
+        big.publish(&batch(vec![stored(&after, 0, own)])).unwrap();
+        healthy
+            .publish(&batch(vec![stored(&good, 0, own)]))
+            .unwrap();
+        daemon.matched(&keys(&after), A) == 3 && daemon.matched(&keys(&good), B) == 2
+    });
+    assert_eq!(daemon.matched(&keys(&long), A), 0);
+    assert_eq!(daemon.lookup(&keys(&good))["ranked"][0], B);
 }
 
 /// One replica's socket publishes about 50,000 fresh blocks a second. With `--max-entries`

@@ -59,6 +59,15 @@ pub struct GatewayConfig {
     /// Deadline of each callout, milliseconds.
     #[serde(default = "default_timeout")]
     pub timeout_ms: u64,
+    /// On Envoy, how long a streamed request (`"stream": true`) may wait for its
+    /// replica's response headers before Envoy gives up on that replica and retries the
+    /// next ranked one (the filter sets `x-envoy-upstream-rq-per-try-timeout-ms`; the
+    /// route's retry policy must retry on `5xx` or `gateway-error`). vLLM sends a stream's
+    /// headers before its first token, so only a frozen or dying replica keeps them back;
+    /// a non-streamed answer's headers come with its last token, so those requests are
+    /// left to the route's own timeouts. 0 (the default) sets nothing.
+    #[serde(default)]
+    pub stream_headers_timeout_ms: u64,
     /// Larger bodies are forwarded unrouted.
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,

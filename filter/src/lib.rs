@@ -53,6 +53,8 @@ const ENDPOINT_HEADER: &str = "x-kvaffine-endpoint";
 const MATCHED_HEADER: &str = "x-kvaffine-matched-blocks";
 const REASON_HEADER: &str = "x-kvaffine-reason";
 const MODE_HEADER: &str = "x-kvaffine-mode";
+/// Envoy's per-try timeout, which ends with the first response headers.
+const PER_TRY_TIMEOUT_HEADER: &str = "x-envoy-upstream-rq-per-try-timeout-ms";
 /// Route metadata namespace for per-route settings (`mode`).
 const METADATA_NAMESPACE: &str = "kvaffine";
 
@@ -74,7 +76,16 @@ struct Root {
     protocol_1_until: Rc<Cell<Option<SystemTime>>>,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        // The VM is going (a new filter version, a configuration change): its share of the
+        // gauges goes with it.
+        if let Some(stats) = &self.stats {
+            stats.footprint(0, 0);
+        }
+        true
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -107,6 +118,11 @@ impl RootContext for Root {
                     );
                 }
                 self.config = Some(Rc::new(config));
+                // A new configuration in the same VM starts a new cache: the old one's
+                // share of the gauges goes.
+                if let Some(old) = &self.stats {
+                    old.footprint(0, 0);
+                }
                 self.stats = Some(Rc::new(Stats::define()));
                 self.digests = Some(Rc::new(RefCell::new(DigestCache::new(
                     DIGEST_CACHE_BLOCKS,
@@ -193,6 +209,18 @@ struct Request {
     outcome: Option<Decision>,
 }
 
+/// The VM's linear memory: everything the filter holds lives in it.
+fn linear_memory_bytes() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    {
+        core::arch::wasm32::memory_size(0) as u64 * 65_536
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        0
+    }
+}
+
 fn log(level: LogLevel, message: &str) {
     // Logging cannot fail in a way the request should notice.
     let _ = hostcalls::log(level, message);
@@ -251,6 +279,23 @@ impl Request {
             mode: self.mode,
         });
         self.phase = Phase::Idle;
+    }
+
+    /// Lets Envoy retry a streamed request elsewhere when its replica sends no headers in
+    /// time; a timeout the request already carries (set by a trusted caller) stands.
+    fn bound_stream_headers(&self) {
+        let timeout = self.gateway().stream_headers_timeout_ms;
+        if self.gateway().host != Host::Envoy
+            || timeout == 0
+            || request_header(PER_TRY_TIMEOUT_HEADER).is_some()
+        {
+            return;
+        }
+        let _ = hostcalls::set_map_value(
+            MapType::HttpRequestHeaders,
+            PER_TRY_TIMEOUT_HEADER,
+            Some(&timeout.to_string()),
+        );
     }
 
     fn clear_route_cache(&self) {
@@ -548,6 +593,8 @@ impl HttpContext for Request {
             let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
         }
         self.stats.request();
+        let cached = self.digests.try_borrow().map_or(0, |cache| cache.len());
+        self.stats.footprint(linear_memory_bytes(), cached as u64);
         // Kong has no route metadata: a route's mode is its own filter configuration.
         let per_route = match self.gateway().host {
             Host::Envoy => route_mode(),
@@ -604,6 +651,9 @@ impl HttpContext for Request {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(model));
         }
         self.model = plan.model.clone();
+        if plan.streamed {
+            self.bound_stream_headers();
+        }
         if self.step(api, plan, body) {
             return Action::Pause;
         }

@@ -1,7 +1,11 @@
 //! The filter's Envoy stats (`wasmcustom.kvaffine.*`): one counter per [`Reason`], so every
 //! request is accounted for, and the latency the filter adds. Counter names come from the
 //! reasons' own spelling: `routed.<reason>` for a pick, `unpinned.<reason>` for a request
-//! forwarded without one, and `passthrough` and `disabled` as they are.
+//! forwarded without one, and `passthrough` and `disabled` as they are. Two gauges show
+//! what the filter holds, summed over the gateway's VMs (one per worker): its linear
+//! memory and its digest cache.
+
+use std::cell::Cell;
 
 use kvaffine_core::Reason;
 use proxy_wasm::hostcalls;
@@ -23,6 +27,10 @@ pub struct Stats {
     added_us: Option<u32>,
     tokenize_us: Option<u32>,
     lookup_us: Option<u32>,
+    vm_memory: Option<u32>,
+    digest_blocks: Option<u32>,
+    /// What this VM last added to the two gauges (memory bytes, cached digests).
+    reported: Cell<(u64, u64)>,
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
@@ -42,6 +50,9 @@ impl Stats {
             added_us: define(MetricType::Histogram, "kvaffine.added_latency_us"),
             tokenize_us: define(MetricType::Histogram, "kvaffine.tokenize_us"),
             lookup_us: define(MetricType::Histogram, "kvaffine.lookup_us"),
+            vm_memory: define(MetricType::Gauge, "kvaffine.vm_memory_bytes"),
+            digest_blocks: define(MetricType::Gauge, "kvaffine.digest_cache_blocks"),
+            reported: Cell::new((0, 0)),
         }
     }
 
@@ -85,5 +96,21 @@ impl Stats {
     /// Time of the index callout.
     pub fn lookup_latency(&self, us: u64) {
         Self::record(self.lookup_us, us);
+    }
+
+    /// Brings this VM's share of the two gauges to `memory_bytes` and `digest_blocks`
+    /// (Envoy sums every VM's increments into one gauge).
+    pub fn footprint(&self, memory_bytes: u64, digest_blocks: u64) {
+        let (memory_was, blocks_was) = self.reported.replace((memory_bytes, digest_blocks));
+        for (id, now, was) in [
+            (self.vm_memory, memory_bytes, memory_was),
+            (self.digest_blocks, digest_blocks, blocks_was),
+        ] {
+            if let (Some(id), Ok(now), Ok(was)) = (id, i64::try_from(now), i64::try_from(was)) {
+                if now != was {
+                    let _ = hostcalls::increment_metric(id, now - was);
+                }
+            }
+        }
     }
 }

@@ -232,6 +232,85 @@ fn scenarios_vllm() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Steady traffic for a long time, every bounded structure sampled ->
+/// `docs/benchmarks/soak/` (`--engine vllm`: `docs/benchmarks/soak-vllm/`), and the soak
+/// section of `docs/reliability.md`.
+pub fn soak(args: &[&str]) -> anyhow::Result<()> {
+    let (mut minutes, mut engine) = ("30", "emu");
+    let mut rest = args;
+    while let [flag, value, tail @ ..] = rest {
+        match *flag {
+            "--minutes" if value.parse::<f64>().is_ok_and(|m| m > 0.0) => minutes = value,
+            "--engine" if matches!(*value, "emu" | "vllm") => engine = value,
+            _ => anyhow::bail!("usage: cargo xtask bench soak [--minutes N] [--engine emu|vllm]"),
+        }
+        rest = tail;
+    }
+    if !rest.is_empty() {
+        anyhow::bail!("usage: cargo xtask bench soak [--minutes N] [--engine emu|vllm]");
+    }
+    let out = match engine {
+        "vllm" => {
+            let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
+            crate::vllm::ensure_model(&venv, &crate::vllm::TINY)?;
+            sh::root().join("docs/benchmarks/soak-vllm")
+        }
+        _ => sh::root().join("docs/benchmarks/soak"),
+    };
+    let md = stack_bench(&["soak", &out.display().to_string(), minutes, engine])?;
+    // Paths as `docs/reliability.md` sees them.
+    let dir = format!(
+        "benchmarks/{}",
+        out.file_name().and_then(|n| n.to_str()).unwrap_or("soak")
+    );
+    let body = format!(
+        "### {engine}\n\nFrom [{dir}/README.md]({dir}/README.md).\n\n{}\n",
+        md.replace("(soak.svg)", &format!("({dir}/soak.svg)"))
+    );
+    let path = sh::root().join("docs/reliability.md");
+    let current = std::fs::read_to_string(&path)?;
+    write(&path, &with_soak_section(&current, engine, &body)?)?;
+    println!("{md}");
+    Ok(())
+}
+
+/// Where the soak figures live in `docs/reliability.md`: one marked section per engine
+/// between these two lines, which `bench reliability` keeps when it rewrites the rest.
+const SOAK_SECTIONS: &str = "<!-- soak sections -->\n";
+const SOAK_SECTIONS_END: &str = "<!-- /soak sections -->";
+
+/// `text` with `engine`'s soak section replaced by `body` (or added after the others).
+fn with_soak_section(text: &str, engine: &str, body: &str) -> anyhow::Result<String> {
+    let (open, close) = (
+        format!("<!-- soak {engine} -->\n"),
+        format!("<!-- /soak {engine} -->\n"),
+    );
+    let section = format!("{open}{body}{close}");
+    if let (Some(start), Some(end)) = (text.find(&open), text.find(&close)) {
+        if start < end {
+            return Ok(format!(
+                "{}{section}{}",
+                &text[..start],
+                &text[end + close.len()..]
+            ));
+        }
+    }
+    let at = text.find(SOAK_SECTIONS_END).with_context(|| {
+        format!("docs/reliability.md has no `{SOAK_SECTIONS_END}` line: `cargo xtask bench reliability` writes it")
+    })?;
+    Ok(format!("{}{section}{}", &text[..at], &text[at..]))
+}
+
+/// The soak sections of `text`, to carry into a regenerated `docs/reliability.md`.
+fn soak_sections(text: &str) -> String {
+    match (text.find(SOAK_SECTIONS), text.find(SOAK_SECTIONS_END)) {
+        (Some(start), Some(end)) if start + SOAK_SECTIONS.len() <= end => {
+            text[start + SOAK_SECTIONS.len()..end].to_owned()
+        }
+        _ => String::new(),
+    }
+}
+
 /// Faults, load and ingest under load -> `docs/reliability.md`.
 pub fn reliability() -> anyhow::Result<()> {
     let load = stack_bench(&["load"])?;
@@ -275,7 +354,14 @@ pub fn reliability() -> anyhow::Result<()> {
         )
         .replace("{{LOAD}}", &load)
         .replace("{{INGEST}}", &ingest)
-        .replace("{{OVERLOAD}}", &overload);
+        .replace("{{OVERLOAD}}", &overload)
+        .replace(
+            "{{SOAK}}",
+            &soak_sections(
+                &std::fs::read_to_string(sh::root().join("docs/reliability.md"))
+                    .unwrap_or_default(),
+            ),
+        );
     write(&sh::root().join("docs/reliability.md"), &md)?;
     println!("{md}");
     Ok(())

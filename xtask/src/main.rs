@@ -43,6 +43,10 @@ commands:
                 (real vLLM: docs/benchmarks/peers-vllm/)
   bench reliability
                 faults, 60 s of load, ingest under lookups -> docs/reliability.md
+  bench soak [--minutes N] [--engine emu|vllm]
+                steady traffic (default 30 minutes), every bounded structure sampled
+                -> docs/benchmarks/soak/ (real vLLM: docs/benchmarks/soak-vllm/) and
+                the soak section of docs/reliability.md
   vectors       the Responses conversion vectors, from the newest pinned vLLM's own code
                 -> tests/vllm/vectors/responses.json
   fuzz TARGET SECONDS
@@ -73,6 +77,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "filter", rest @ ..] => bench::filter(rest),
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
+        ["bench", "soak", rest @ ..] => bench::soak(rest),
         ["bench", "peers", rest @ ..] => bench::peers(rest),
         ["bench", "scenarios", rest @ ..] => bench::scenarios(rest),
         ["vectors"] => vectors(),

@@ -22,7 +22,7 @@ use crate::state::{Daemon, Endpoint};
 /// How long a poll waits before the thread checks whether it should stop.
 const POLL: Duration = Duration::from_millis(50);
 /// Messages a SUB socket queues before libzmq drops (vLLM's own publisher uses the same).
-const RECEIVE_HWM: i32 = 100_000;
+pub(crate) const RECEIVE_HWM: i32 = 100_000;
 
 /// Starts following `endpoint`; the thread ends when `endpoint.stop` is set.
 pub fn spawn(
@@ -38,6 +38,55 @@ pub fn spawn(
                     Some(format!("event ingestion stopped: {err:#}"));
             }
         })
+}
+
+/// The live stream's connection as the SUB socket's monitor reports it. libzmq reconnects
+/// by itself after a network error but never after a protocol error (a message past the
+/// byte bound, a malformed greeting), so a stream down too long is connected again by
+/// hand, backing off while it keeps failing.
+#[derive(Debug, Default)]
+struct Link {
+    /// Since when it is down, if it is.
+    down_since: Option<Instant>,
+    /// When it last came up.
+    up_since: Option<Instant>,
+    /// How long to wait before connecting again by hand; doubles each time it fails.
+    backoff: Duration,
+}
+
+/// The first wait before a stream still down is connected again by hand, and the most.
+const RECONNECT_FIRST: Duration = Duration::from_secs(1);
+const RECONNECT_MOST: Duration = Duration::from_secs(30);
+
+impl Link {
+    fn lost(&mut self, now: Instant) {
+        // A link that stayed up a while starts its backoff over.
+        if self.up_since.is_some_and(|up| now - up >= RECONNECT_MOST) {
+            self.backoff = Duration::ZERO;
+        }
+        self.down_since.get_or_insert(now);
+        self.up_since = None;
+    }
+
+    /// Records a connection; true if the stream had been down.
+    fn found(&mut self, now: Instant) -> bool {
+        self.up_since = Some(now);
+        self.down_since.take().is_some()
+    }
+
+    /// Whether to connect again by hand now (and when next).
+    fn reconnect_due(&mut self, now: Instant) -> bool {
+        let Some(since) = self.down_since else {
+            return false;
+        };
+        let wait = self.backoff.max(RECONNECT_FIRST);
+        if now - since < wait {
+            return false;
+        }
+        self.backoff = (wait * 2).min(RECONNECT_MOST);
+        self.down_since = Some(now);
+        true
+    }
 }
 
 struct Follower<'a> {
@@ -66,6 +115,7 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
     let sub = daemon.zmq.socket(zmq::SUB)?;
     sub.set_linger(0)?;
     sub.set_rcvhwm(RECEIVE_HWM)?;
+    sub.set_maxmsgsize(daemon.settings.max_event_message_bytes)?;
     // libzmq connects to IPv4 only unless told otherwise; replicas may be IPv6 pods.
     sub.set_ipv6(true)?;
     sub.connect(&spec.events)
@@ -86,7 +136,7 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
     let monitor = daemon.zmq.socket(zmq::PAIR)?;
     monitor.set_linger(0)?;
     monitor.connect(&monitor_url)?;
-    let mut disconnected = false;
+    let mut link = Link::default();
     let lora_paths = Arc::new(daemon.settings.lora_paths.clone());
     let mut follower = Follower {
         daemon,
@@ -136,16 +186,23 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
                     .map(|b| u16::from_le_bytes([b[0], b[1]]));
                 if code == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
                     info!(endpoint = %spec.endpoint, "event stream disconnected: ranking it last until it is back");
-                    disconnected = true;
+                    link.lost(Instant::now());
                     endpoint.status.lock().events_disconnected = true;
-                } else if code == Some(zmq::SocketEvent::CONNECTED.to_raw()) && disconnected {
-                    disconnected = false;
+                } else if code == Some(zmq::SocketEvent::CONNECTED.to_raw())
+                    && link.found(Instant::now())
+                {
                     endpoint.status.lock().events_disconnected = false;
                     info!(endpoint = %spec.endpoint, "event stream reconnected: checking for a restart");
                     let actions = follower.sequencer.on_reconnect();
                     follower.perform(actions)?;
                 }
             }
+        }
+        if link.reconnect_due(Instant::now()) {
+            warn!(endpoint = %spec.endpoint, "event stream still down: connecting again (libzmq gives up on a publisher after a message past --max-event-message-bytes or a protocol error)");
+            let _ = sub.disconnect(&spec.events);
+            sub.connect(&spec.events)
+                .with_context(|| format!("cannot connect to {}", spec.events))?;
         }
         if live_ready {
             while let Ok(frames) = sub.recv_multipart(zmq::DONTWAIT) {
@@ -260,6 +317,7 @@ impl Follower<'_> {
                     if let Some(url) = &self.replay_url {
                         let dealer = self.daemon.zmq.socket(zmq::DEALER)?;
                         dealer.set_linger(0)?;
+                        dealer.set_maxmsgsize(self.daemon.settings.max_event_message_bytes)?;
                         dealer.set_ipv6(true)?;
                         dealer
                             .connect(url)
@@ -431,5 +489,37 @@ impl Follower<'_> {
                 status.misconfigured_by_events = true;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_down_is_connected_again_by_hand_backing_off_until_it_stays_up() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut link = Link::default();
+        assert!(!link.reconnect_due(at(100)), "never down");
+        link.lost(at(0));
+        assert!(!link.reconnect_due(at(0)));
+        assert!(link.reconnect_due(at(1)));
+        // Still down: next after 2 s, then 4 s.
+        assert!(!link.reconnect_due(at(2)));
+        assert!(link.reconnect_due(at(3)));
+        assert!(link.reconnect_due(at(7)));
+        // Up for a moment and down again (a publisher that keeps breaking): the backoff
+        // goes on growing.
+        assert!(link.found(at(7)));
+        link.lost(at(8));
+        assert!(!link.reconnect_due(at(15)));
+        assert!(link.reconnect_due(at(16)));
+        // Up long enough: it starts over at a second.
+        assert!(link.found(at(16)));
+        link.lost(at(100));
+        assert!(link.reconnect_due(at(101)));
+        assert!(link.found(at(101)), "it was down");
+        assert!(!link.found(at(102)), "already up");
     }
 }

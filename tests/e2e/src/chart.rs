@@ -123,12 +123,64 @@ fn categories(
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
     draw(&mut chart)?;
+    finish(root, &mut chart, SeriesLabelPosition::UpperRight)
+}
+
+/// Draws the legend at `position` and writes the file.
+fn finish<'a, 'b: 'a>(
+    root: DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    chart: &mut Area<'a, 'b>,
+    position: SeriesLabelPosition,
+) -> anyhow::Result<()> {
     chart
         .configure_series_labels()
+        .position(position)
         .border_style(BLACK)
         .background_style(WHITE.mix(0.8))
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
+}
+
+/// Lines over a shared x axis (one per named series, values up to 100), with a legend.
+pub fn lines(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> anyhow::Result<()> {
+    let root = SVGBackend::new(path, (900, 460)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let right = series
+        .iter()
+        .flat_map(|(_, points)| points.iter().map(|p| p.0))
+        .fold(0.0f64, f64::max)
+        .max(1.0);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..right, 0f64..110f64)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    for (i, (name, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
+    }
+    finish(root, &mut chart, SeriesLabelPosition::LowerRight)
 }

@@ -12,6 +12,7 @@ pub mod peers;
 pub mod scenarios;
 pub mod seed;
 pub mod session;
+pub mod soak;
 pub mod vllm;
 
 use std::path::{Path, PathBuf};
@@ -167,12 +168,18 @@ pub struct Stack {
     config: StackConfig,
 }
 
+/// How long a streamed request waits for its replica's response headers before Envoy
+/// retries it elsewhere, as `cargo xtask up` and the tests run the filter: vLLM sends them
+/// before the prompt is even scheduled, so only a frozen or dying replica takes this long.
+pub const STREAM_HEADERS_TIMEOUT_MS: u64 = 3000;
+
 fn filter_config(config: &StackConfig, daemon_addr: &str, tokenizer: &str) -> Value {
     let mut filter = match config.gateway {
         Gateway::Envoy => json!({
             "tokenizer_cluster": "tokenizer",
             "index_cluster": "kvaffined",
             "index_authority": daemon_addr,
+            "stream_headers_timeout_ms": STREAM_HEADERS_TIMEOUT_MS,
         }),
         // Kong calls `host:port` directly.
         Gateway::Kong { .. } => json!({

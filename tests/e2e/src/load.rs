@@ -210,3 +210,16 @@ pub fn chat_body(bytes: usize, salt: &str) -> Value {
     }
     one_turn(text, salt)
 }
+
+/// A process's resident memory, MiB (0 once it is gone).
+pub fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}

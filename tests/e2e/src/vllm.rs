@@ -414,6 +414,47 @@ impl VllmProcess {
         }
     }
 
+    /// Sends `SIGTERM` to the server process alone, as Kubernetes does to a container's
+    /// first process, and gives it `grace` to exit before its whole group is killed (as
+    /// the kubelet would then); true if it exited within the grace.
+    pub fn terminate(&mut self, grace: Duration) -> bool {
+        let exited = match self.child.as_mut() {
+            None => true,
+            Some(child) => {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &child.id().to_string()])
+                    .stderr(Stdio::null())
+                    .status();
+                let deadline = Instant::now() + grace;
+                loop {
+                    if child.try_wait().ok().flatten().is_some() {
+                        break true;
+                    }
+                    if Instant::now() > deadline {
+                        break false;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        };
+        self.kill();
+        exited
+    }
+
+    /// Stops (`SIGSTOP`) or continues (`SIGCONT`) every process of the replica: one that
+    /// hangs with its sockets open, as a stalled host or a debugger would leave it.
+    pub fn freeze(&self, frozen: bool) -> anyhow::Result<()> {
+        let child = self.child.as_ref().context("the replica is not running")?;
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let status = Command::new("kill")
+            .args([signal, "--", &format!("-{}", child.id())])
+            .status()?;
+        if !status.success() {
+            bail!("kill {signal} failed for {}", self.http);
+        }
+        Ok(())
+    }
+
     /// Kills it and starts it again on the same ports (sequence numbers from 0, an empty
     /// cache), waiting until it is healthy.
     pub fn restart(&mut self) -> anyhow::Result<()> {

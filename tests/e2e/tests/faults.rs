@@ -140,3 +140,147 @@ fn a_dead_tokenizer_replica_never_fails_a_request() {
     let tail = &statuses[statuses.len().saturating_sub(15)..];
     assert!(tail.iter().all(|s| *s == 200), "{statuses:?}");
 }
+
+/// A replica frozen with a streamed request pinned to it (kvaffined has not noticed: it
+/// scrapes too rarely here): Envoy gives it `stream_headers_timeout_ms` to start the
+/// answer, then retries the next replica the filter ranked, and the client gets the whole
+/// stream. A non-streamed request is given no such deadline: it waits for its replica.
+#[test]
+fn a_frozen_replicas_streamed_request_is_answered_by_the_next_ranked_one() {
+    let stack = Stack::start(StackConfig {
+        filter: json!({"stream_headers_timeout_ms": 300}),
+        daemon_args: vec!["--scrape-interval-ms".into(), "600000".into()],
+        ..StackConfig::default()
+    })
+    .unwrap();
+    let prompt: Vec<u32> = (0..64).map(|i| 1_000 + i).collect();
+    let body = |stream: bool| json!({"prompt": prompt, "max_tokens": 2, "stream": stream});
+    // Turn 1, then the same prompt until kvaffined has its blocks and pins it warm.
+    let warm = post_json(&stack.gateway, "/v1/completions", &body(false))
+        .header("x-served-by")
+        .unwrap()
+        .to_owned();
+    poll("the prompt pinned warm", Duration::from_secs(10), || {
+        let reply = post_json(&stack.gateway, "/v1/completions", &body(false));
+        reply.header("x-kvaffine-reason") == Some("prefix")
+            && reply.header("x-served-by") == Some(warm.as_str())
+    })
+    .unwrap();
+    let frozen = stack.replicas.iter().find(|r| r.http == warm).unwrap();
+    let signal = |signal: &str| {
+        let pid = frozen.pid().unwrap().to_string();
+        assert!(
+            std::process::Command::new("kill")
+                .args([signal, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    let timeouts = stack.stat("cluster.pool.upstream_rq_per_try_timeout");
+    signal("-STOP");
+    // A non-streamed answer's headers come with its last token: no deadline is set on it,
+    // so it waits for the replica, here frozen for a second (three timeouts' worth). Both
+    // requests are pinned long before the retried stream puts the prompt elsewhere.
+    let waiting = {
+        let (gateway, body) = (stack.gateway.clone(), body(false));
+        std::thread::spawn(move || post_json(&gateway, "/v1/completions", &body))
+    };
+    let frozen_at = std::time::Instant::now();
+    let reply = post_json(&stack.gateway, "/v1/completions", &body(true));
+    std::thread::sleep(Duration::from_secs(1).saturating_sub(frozen_at.elapsed()));
+    signal("-CONT");
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-kvaffine-endpoint"), Some(warm.as_str()));
+    assert_ne!(reply.header("x-served-by"), Some(warm.as_str()));
+    assert!(reply.body.contains("data: [DONE]"), "{}", reply.body);
+    let waited = waiting.join().unwrap();
+    assert_eq!(waited.status, 200, "{}", waited.body);
+    assert_eq!(waited.header("x-served-by"), Some(warm.as_str()));
+    assert_eq!(
+        stack.stat("cluster.pool.upstream_rq_per_try_timeout") - timeouts,
+        1.0
+    );
+}
+
+/// A replica whose engine died while its HTTP server lives on (generation answers 500,
+/// `/health` 503, as vLLM's API server outlives its engine core for a while): a request
+/// pinned to it is retried on the next ranked replica, and once kvaffined's scrape has seen
+/// the failing health it stops pinning it, even for a prefix only it holds; revived, it is
+/// pinned again.
+#[test]
+fn a_replica_whose_engine_died_is_retried_around_then_ranked_last() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    // Prompts of `blocks` 16-token blocks, each a continuation of the shorter ones of its
+    // `family`.
+    let prompt = |family: u32, blocks: u32| {
+        let tokens: Vec<u32> = (0..blocks * 16).map(|i| family * 10_000 + i).collect();
+        json!({"prompt": tokens, "max_tokens": 2})
+    };
+    let send = |body: &Value| post_json(&stack.gateway, "/v1/completions", body);
+    let warm = send(&prompt(1, 4))
+        .header("x-served-by")
+        .unwrap()
+        .to_owned();
+    let pinned_warm = |body: &Value| {
+        let reply = send(body);
+        reply.header("x-kvaffine-reason") == Some("prefix")
+            && reply.header("x-served-by") == Some(warm.as_str())
+    };
+    poll("the prompt pinned warm", Duration::from_secs(10), || {
+        pinned_warm(&prompt(1, 4))
+    })
+    .unwrap();
+    // Two continuations only the warm replica holds: one for while it is dead, one for
+    // after.
+    assert!(pinned_warm(&prompt(1, 6)));
+    // New prompts take turns between idle replicas: the first new family that lands on
+    // the warm replica is its alone.
+    let family = (2..20)
+        .find(|&f| send(&prompt(f, 4)).header("x-served-by") == Some(warm.as_str()))
+        .unwrap();
+    let later = prompt(family, 6);
+    let replica = stack.replicas.iter().find(|r| r.http == warm).unwrap();
+    let engine = |dead: bool| {
+        assert_eq!(
+            replica.post("/debug/engine_dead", &json!({"dead": dead})).0,
+            204
+        );
+    };
+    engine(true);
+    // Pinned to the dead replica before kvaffined knows: Envoy's retry answers it.
+    let reply = send(&prompt(1, 4));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_ne!(reply.header("x-served-by"), Some(warm.as_str()));
+    // What kvaffined last saw of the replica's `/metrics` and `/health`.
+    let scrape_error = || {
+        let (_, endpoints) =
+            vllm_emu::harness::http(&stack.daemon_addr, "GET", "/v1/endpoints", "");
+        serde_json::from_str::<Value>(&endpoints).unwrap()["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == warm.as_str())
+            .unwrap()["status"]["scrape_error"]
+            .as_str()
+            .map(str::to_owned)
+    };
+    poll(
+        "kvaffined seeing the failed health",
+        Duration::from_secs(10),
+        || scrape_error().is_some_and(|err| err.contains("/health")),
+    )
+    .unwrap();
+    // Six blocks on the dead replica, four elsewhere: the live replica is pinned.
+    let reply = send(&prompt(1, 7));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_ne!(reply.header("x-kvaffine-endpoint"), Some(warm.as_str()));
+    engine(false);
+    poll(
+        "kvaffined seeing it healthy",
+        Duration::from_secs(10),
+        || scrape_error().is_none(),
+    )
+    .unwrap();
+    assert!(pinned_warm(&later));
+}

@@ -579,3 +579,47 @@ fn an_authenticated_index_routes_only_filters_holding_a_token() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The filter reports what it holds: its VMs' linear memory and cached digests, summed
+/// over the workers; a reload's new VMs start with empty caches, and the old VMs' share
+/// leaves the gauges with them.
+#[test]
+fn the_filters_footprint_gauges_follow_its_vms_across_a_reload() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    let cached = || {
+        stack
+            .filter_metric("kvaffine.digest_cache_blocks")
+            .unwrap_or(-1.0)
+    };
+    // Each distinct history is tokenized and its blocks cached; the gauge is brought up to
+    // date when the next request arrives.
+    for n in 0..8 {
+        chat(
+            &stack,
+            &json!({"messages": long_history(n), "max_tokens": 2}),
+        );
+    }
+    chat(
+        &stack,
+        &json!({"messages": long_history(0), "max_tokens": 2}),
+    );
+    let before = cached();
+    assert!(before > 0.0, "digest cache gauge {before}");
+    let memory = stack
+        .filter_metric("kvaffine.vm_memory_bytes")
+        .unwrap_or(0.0);
+    assert!(memory >= 65_536.0, "VM memory gauge {memory}");
+    let reloads = stack.stat("extension_config_discovery.http_filter.kvaffine.config_reload");
+    stack.reload_filter(&json!({"fallbacks": 1})).unwrap();
+    poll("the reload", Duration::from_secs(20), || {
+        stack.stat("extension_config_discovery.http_filter.kvaffine.config_reload") > reloads
+    })
+    .unwrap();
+    // Requests without a prompt reach the new VMs (bringing their share up to date)
+    // without filling their caches.
+    poll("the old VMs' share gone", Duration::from_secs(20), || {
+        send(&stack.gateway, "GET", "/v1/models", &[], b"");
+        cached() < before
+    })
+    .unwrap();
+}

@@ -96,7 +96,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     // (name, pair, check, in the routing subset that older versions run in CI)
-    let checks: [(&str, Pair, Check, bool); 17] = [
+    let checks: [(&str, Pair, Check, bool); 18] = [
         (
             "events_and_replay_are_read_in_their_layout",
             Pair::Cbor,
@@ -174,6 +174,12 @@ fn main() -> std::process::ExitCode {
             Pair::Cbor,
             replica_restart,
             true,
+        ),
+        (
+            "a_replica_going_away_under_traffic_fails_no_unanswered_request",
+            Pair::Cbor,
+            replica_goes_away,
+            false,
         ),
         (
             "up_fronts_real_replicas_it_did_not_start",
@@ -1507,4 +1513,264 @@ fn up_with_upstreams(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     ensure(up.stop()?.success(), || {
         "stack up did not stop cleanly".to_owned()
     })
+}
+
+// ---- a replica going away under traffic ----
+
+/// How one streamed request through the gateway ended, as its client saw it.
+#[derive(Debug)]
+enum Outcome {
+    /// Status 200 and the stream's `[DONE]`.
+    Complete,
+    /// The answer had started and was cut: no retry can save those.
+    CutMidStream,
+    /// Not one byte of an answer: what retries must save.
+    FailedBeforeAnyByte(String),
+}
+
+/// One request of [`Conversations`].
+struct Exchange {
+    started: Instant,
+    outcome: Outcome,
+    /// `x-kvaffine-endpoint`: the replica the filter ranked first.
+    pinned: String,
+    served_by: String,
+}
+
+/// Sends a streamed chat request and reads whatever arrives, even when the connection
+/// breaks off.
+fn stream_through(gateway: &str, body: &Value) -> Exchange {
+    use std::io::{Read, Write};
+    let started = Instant::now();
+    let failed = |why: String| Exchange {
+        started,
+        outcome: Outcome::FailedBeforeAnyByte(why),
+        pinned: String::new(),
+        served_by: String::new(),
+    };
+    let body = body.to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\ncontent-type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = match std::net::TcpStream::connect(gateway) {
+        Ok(stream) => stream,
+        Err(e) => return failed(format!("connect: {e}")),
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(120)));
+    if let Err(e) = stream.write_all(request.as_bytes()) {
+        return failed(format!("send: {e}"));
+    }
+    let mut raw = Vec::new();
+    // What was read before an error stays in `raw`: a reset mid-answer is a cut answer.
+    let _ = stream.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw);
+    let Some((head, rest)) = text.split_once("\r\n\r\n") else {
+        return failed(format!("no response head: {text:?}"));
+    };
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|l| l.split_whitespace().nth(1));
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map_or(String::new(), |(_, v)| v.clone())
+    };
+    if status != Some("200") {
+        return failed(format!("status {status:?}: {rest}"));
+    }
+    Exchange {
+        started,
+        outcome: if rest.contains("data: [DONE]") {
+            Outcome::Complete
+        } else {
+            Outcome::CutMidStream
+        },
+        pinned: header("x-kvaffine-endpoint"),
+        served_by: header("x-served-by"),
+    }
+}
+
+/// Two-turn streamed conversations on `clients` connections at once, until stopped.
+struct Conversations {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    done: std::sync::Arc<Mutex<Vec<Exchange>>>,
+    clients: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Conversations {
+    fn start(gateway: &str, clients: usize, tag: &str) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let done = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let clients = (0..clients)
+            .map(|client| {
+                let (stop, done) = (stop.clone(), done.clone());
+                let (gateway, tag) = (gateway.to_owned(), tag.to_owned());
+                std::thread::spawn(move || {
+                    let mut round = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let seed = 5_000 + client * 1_000 + round;
+                        let salt = salt(&tag, seed);
+                        let streamed = |mut body: Value| {
+                            body["stream"] = json!(true);
+                            body
+                        };
+                        let first = stream_through(&gateway, &streamed(chat_first(seed, &salt)));
+                        // The continuation repeats turn 1's prompt (its blocks are what
+                        // the replica caches) whatever the model answered.
+                        let mut messages = chat_first_messages(seed);
+                        messages.push(json!({"role": "assistant", "content": "noted"}));
+                        messages.push(json!({"role": "user", "content": prose(seed + 1, 20)}));
+                        let second = stream_through(
+                            &gateway,
+                            &streamed(json!({"model": SERVED_MODEL, "messages": messages,
+                                "max_tokens": 4, "cache_salt": salt})),
+                        );
+                        let mut done = done.lock().unwrap_or_else(|e| e.into_inner());
+                        done.extend([first, second]);
+                        round += 1;
+                    }
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            done,
+            clients,
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Waits until `more` requests have ended.
+    fn wait_for_more(&self, more: usize) -> anyhow::Result<()> {
+        let target = self.count() + more;
+        poll("conversation traffic", Duration::from_secs(120), || {
+            self.count() >= target
+        })
+    }
+
+    /// Waits until a request started after `since` was served by `replica`.
+    fn wait_served_by(&self, replica: &str, since: Instant) -> anyhow::Result<()> {
+        poll(
+            "traffic back on the replica",
+            Duration::from_secs(120),
+            || {
+                self.done
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .any(|x| x.started >= since && x.served_by == replica)
+            },
+        )
+    }
+
+    fn finish(self) -> Vec<Exchange> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for client in self.clients {
+            let _ = client.join();
+        }
+        std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// A replica stopped with `SIGTERM` and started again, killed (`SIGKILL`) and started
+/// again, and frozen (`SIGSTOP`) then thawed, each under two-turn streamed traffic on four
+/// connections: no request that had received no byte of an answer fails (Envoy retries
+/// it on the filter's next ranked replica), and from two seconds after the fault until
+/// the replica is back, the filter ranks another replica first.
+fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let victim = replicas
+        .first()
+        .map(|r| r.http.clone())
+        .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+    let mut report = Vec::new();
+    for fault in ["SIGTERM", "SIGKILL", "SIGSTOP"] {
+        let retries_before = stack.stat("cluster.pool.upstream_rq_retry");
+        let timeouts_before = stack.stat("cluster.pool.upstream_rq_per_try_timeout");
+        let traffic = Conversations::start(&stack.gateway, 4, &format!("away-{fault}"));
+        traffic.wait_served_by(&victim, Instant::now())?;
+        traffic.wait_for_more(8)?;
+        let struck = Instant::now();
+        let replica = replicas
+            .first_mut()
+            .ok_or_else(|| anyhow::anyhow!("no replica"))?;
+        let (down_until, note) = match fault {
+            "SIGTERM" => {
+                // vLLM 0.32 aborts its requests at once, then waits for its connections to
+                // close: a grace period (Kubernetes' default is 30 s) then a kill.
+                let exited = replica.terminate(Duration::from_secs(10));
+                replica.restart()?;
+                (
+                    Instant::now(),
+                    format!("(exited by itself within the 10 s grace: {exited})"),
+                )
+            }
+            "SIGKILL" => {
+                replica.kill();
+                replica.restart()?;
+                (Instant::now(), String::new())
+            }
+            _ => {
+                replica.freeze(true)?;
+                // Long enough for requests in flight on it to meet the per-try timeout.
+                let frozen = traffic.wait_for_more(40);
+                replica.freeze(false)?;
+                frozen?;
+                (Instant::now(), String::new())
+            }
+        };
+        traffic.wait_served_by(&victim, down_until)?;
+        traffic.wait_for_more(8)?;
+        let exchanges = traffic.finish();
+        let retries = stack.stat("cluster.pool.upstream_rq_retry") - retries_before;
+        let timeouts = stack.stat("cluster.pool.upstream_rq_per_try_timeout") - timeouts_before;
+        let failed: Vec<&str> = exchanges
+            .iter()
+            .filter_map(|x| match &x.outcome {
+                Outcome::FailedBeforeAnyByte(why) => Some(why.as_str()),
+                _ => None,
+            })
+            .collect();
+        let cut = exchanges
+            .iter()
+            .filter(|x| matches!(x.outcome, Outcome::CutMidStream))
+            .count();
+        let complete = exchanges
+            .iter()
+            .filter(|x| matches!(x.outcome, Outcome::Complete))
+            .count();
+        // Pinned to the victim while it was gone (its restart's last poll of `/health`
+        // may lag its return by a moment: a second's margin).
+        let pinned_while_gone = exchanges
+            .iter()
+            .filter(|x| {
+                x.started >= struck + Duration::from_secs(2)
+                    && x.started + Duration::from_secs(1) < down_until
+                    && x.pinned == victim
+            })
+            .count();
+        report.push(format!(
+            "{fault}: {} requests, {complete} complete, {cut} cut mid-answer, {} failed before any byte, {retries} Envoy retries ({timeouts} after a stream's headers timed out), {pinned_while_gone} pinned to it while it was gone, down {:.1} s {note}",
+            exchanges.len(),
+            failed.len(),
+            (down_until - struck).as_secs_f64(),
+        ));
+        ensure(failed.is_empty(), || {
+            format!("{fault}: requests failed before any byte: {failed:?}")
+        })?;
+        ensure(pinned_while_gone == 0, || {
+            format!("{fault}: {pinned_while_gone} requests pinned to {victim} while it was gone")
+        })?;
+    }
+    eprintln!("replica going away: {}", report.join("; "));
+    Ok(())
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -42,6 +42,9 @@ pub struct App {
     pub responses: Option<Mutex<HashMap<String, crate::responses::Previous>>>,
     /// Process start, seconds since the epoch (`process_start_time_seconds`).
     pub started: f64,
+    /// Set by `POST /debug/engine_dead`: the engine is gone while the HTTP server stays,
+    /// as vLLM's API server outlives a crashed or stopped engine core for a while.
+    engine_dead: AtomicBool,
     next_id: AtomicU64,
 }
 
@@ -65,6 +68,7 @@ impl App {
             kv_event_sources,
             responses: responses_store.then(|| Mutex::new(HashMap::new())),
             started: now(),
+            engine_dead: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
         }
     }
@@ -99,12 +103,30 @@ impl ApiError {
             param: None,
         }
     }
+
+    /// What generation answers while the engine is dead.
+    fn engine_dead() -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: "EngineCore encountered an issue".into(),
+            param: None,
+        }
+    }
+}
+
+/// Generation needs a live engine.
+fn alive(app: &App) -> Result<(), ApiError> {
+    if app.engine_dead.load(Ordering::Relaxed) {
+        return Err(ApiError::engine_dead());
+    }
+    Ok(())
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let kind = match self.status {
             StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::INTERNAL_SERVER_ERROR => "InternalServerError",
             _ => "BadRequestError",
         };
         let body = json!({"error": {
@@ -128,11 +150,12 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions/render", post(chat_render))
         .route("/v1/completions/render", post(completion_render))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/kv_event_sources", get(|State(app): State<Arc<App>>| async move { axum::Json(app.kv_event_sources.clone()) }))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/cached_tokens", post(debug_cached_tokens))
+        .route("/debug/engine_dead", post(debug_engine_dead))
         // Unknown paths read the request body before answering 404, so the connection
         // stays usable for the client's next request (as uvicorn keeps it).
         .fallback(|_: Bytes| async { (StatusCode::NOT_FOUND, axum::Json(json!({"detail": "Not Found"}))) })
@@ -460,6 +483,7 @@ fn seed_of(body: &Value) -> u64 {
 }
 
 async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    alive(&app)?;
     let body = parse(&body)?;
     let extras = extras(&app, &body)?;
     let messages = messages_of(&body)?;
@@ -545,6 +569,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
 }
 
 async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    alive(&app)?;
     let body = parse(&body)?;
     let extras = extras(&app, &body)?;
     let prompt = completion_prompt(&body)?;
@@ -610,6 +635,7 @@ fn response_output(app: &App, output: &Output) -> Vec<Value> {
 }
 
 async fn responses(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    alive(&app)?;
     let body = parse(&body)?;
     let extras = extras(&app, &body)?;
     let previous = match body.get("previous_response_id").and_then(Value::as_str) {
@@ -787,6 +813,27 @@ async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
 
 /// Emulator only (benchmark oracles): how many prompt tokens of this chat request this
 /// replica would serve from its cache now, and the prompt's length.
+/// 200 while the engine lives; 503 once it is dead, as vLLM's `/health` answers.
+async fn health(State(app): State<Arc<App>>) -> StatusCode {
+    if app.engine_dead.load(Ordering::Relaxed) {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+/// `{"dead": true}` kills the engine (generation answers 500, `/health` 503) and
+/// `{"dead": false}` revives it: a fault for the tests.
+async fn debug_engine_dead(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    let body = parse(&body)?;
+    let dead = body
+        .get("dead")
+        .and_then(Value::as_bool)
+        .ok_or_else(|| ApiError::bad("`dead` must be true or false"))?;
+    app.engine_dead.store(dead, Ordering::Relaxed);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
 async fn debug_cached_tokens(
     State(app): State<Arc<App>>,
     body: Bytes,

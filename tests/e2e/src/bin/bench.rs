@@ -40,6 +40,14 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ),
         Some("ingest") => ingest(),
         Some("overload") => overload(),
+        Some("soak") => soak(
+            args.get(1)
+                .context("usage: bench soak OUT_DIR MINUTES [emu|vllm]")?,
+            args.get(2)
+                .context("usage: bench soak OUT_DIR MINUTES [emu|vllm]")?
+                .parse()?,
+            args.get(3).map_or("emu", String::as_str),
+        ),
         Some("peers") if args.get(2).is_some_and(|a| a == "vllm") => {
             peers_vllm(args.get(1).context("usage: bench peers OUT_DIR vllm")?)
         }
@@ -48,7 +56,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | load | ingest | overload | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -458,19 +466,6 @@ fn load() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The resident set of `pid`, in MiB.
-fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
 /// `bench overload`: kvaffined flooded with lookups of `--max-keys` keys from 64
 /// connections, far past what it answers, with `--max-inflight-lookups 2`, while requests
 /// go through the gateway: what it sheds and how fast, what it answers and how fast, its
@@ -501,7 +496,7 @@ fn overload() -> anyhow::Result<()> {
     let heavy = json!({"blocks": held, "candidates": 2, "book": {}}).to_string();
     let gateway_url = format!("http://{}/v1/chat/completions", stack.gateway);
     let template = chat_body(8 * 1024, "SALTXXXXXXXX").to_string().into_bytes();
-    let rss_before = rss_mib(daemon_pid);
+    let rss_before = kvaffine_e2e::load::rss_mib(daemon_pid);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(SECONDS);
     type Outcomes = Vec<(u16, std::time::Duration, Option<String>)>;
     let (flood, gateway, rss_max): (Vec<Outcomes>, Outcomes, f64) = runtime.block_on(async {
@@ -555,7 +550,7 @@ fn overload() -> anyhow::Result<()> {
         };
         let mut rss_max = 0f64;
         while std::time::Instant::now() < deadline {
-            rss_max = rss_max.max(rss_mib(daemon_pid));
+            rss_max = rss_max.max(kvaffine_e2e::load::rss_mib(daemon_pid));
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         }
         let mut flood = Vec::new();
@@ -1062,6 +1057,33 @@ fn peers_vllm(out: &str) -> anyhow::Result<()> {
         "cargo xtask bench peers --engine vllm",
         &machine,
         &spec.version,
+    )?;
+    println!("{md}");
+    Ok(())
+}
+
+/// `bench soak OUT_DIR MINUTES ENGINE`: steady traffic for `MINUTES`, sampled every 10 s;
+/// writes `OUT_DIR/README.md` and `OUT_DIR/soak.svg`, and prints the report.
+fn soak(out: &str, minutes: f64, engine: &str) -> anyhow::Result<()> {
+    use kvaffine_e2e::soak::{self, Engine};
+    let engine = match engine {
+        "emu" => Engine::Emu,
+        "vllm" => Engine::Vllm,
+        other => bail!("unknown engine {other:?} (emu or vllm)"),
+    };
+    let out = std::path::Path::new(out);
+    std::fs::create_dir_all(out)?;
+    let report = soak::run(engine, minutes)?;
+    report.chart(&out.join("soak.svg"))?;
+    let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
+    let command = match engine {
+        Engine::Emu => format!("cargo xtask bench soak --minutes {minutes}"),
+        Engine::Vllm => format!("cargo xtask bench soak --minutes {minutes} --engine vllm"),
+    };
+    let md = report.markdown(&command, &machine, "soak.svg")?;
+    std::fs::write(
+        out.join("README.md"),
+        format!("# Soak ({})\n\n{md}", engine.name()),
     )?;
     println!("{md}");
     Ok(())

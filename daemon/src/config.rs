@@ -76,8 +76,8 @@ pub struct ServeArgs {
     /// Largest KV-event message (or replay answer) read from a replica; a larger one is
     /// refused by libzmq, which drops that connection, so a broken or hostile publisher
     /// cannot make kvaffined buffer it. vLLM's largest is one batch of a very long prompt,
-    /// about 8 bytes per prompt token.
-    #[arg(long, default_value_t = 64 * MIB_BYTES)]
+    /// about 5 bytes per prompt token.
+    #[arg(long, default_value_t = 64 * MIB_BYTES, value_parser = clap::value_parser!(i64).range(1..))]
     pub max_event_message_bytes: i64,
     /// How long a booked pick counts as holding its prefix before events confirm it.
     #[arg(long, default_value_t = 2000)]
@@ -86,7 +86,9 @@ pub struct ServeArgs {
     /// (counted) until bookings expire or are confirmed.
     #[arg(long, default_value_t = 1_000_000)]
     pub max_booked_keys: usize,
-    /// How often each replica's `/metrics` is scraped.
+    /// How often each replica's `/metrics` and `/health` are read (each waits at most this
+    /// long, at least 200 ms); a replica that does not answer both is ranked after the
+    /// others.
     #[arg(long, default_value_t = 500)]
     pub scrape_interval_ms: u64,
     /// A replica with this many waiting requests is saturated.
@@ -286,7 +288,7 @@ impl ServeArgs {
             max_keys: self.max_keys,
             max_inflight_lookups: self.max_inflight_lookups,
             max_entries: self.max_entries,
-            max_event_message_bytes: self.max_event_message_bytes.max(1),
+            max_event_message_bytes: self.max_event_message_bytes,
             booking_ttl: Duration::from_millis(self.booking_ttl_ms),
             max_booked_keys: self.max_booked_keys,
             scrape_interval: Duration::from_millis(self.scrape_interval_ms.max(10)),

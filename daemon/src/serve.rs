@@ -62,7 +62,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         "memory bound: the index holds at most {} (block, endpoint) entries (about {} MiB at \
          {INDEX_BYTES_PER_ENTRY} bytes each), bookings at most {} keys (about {} MiB), \
          lookups at most {} in flight (the next one gets 503); per replica, at most {} event \
-         messages of at most {} MiB queued (a larger one drops the connection)",
+         messages of at most {} bytes queued (a larger one drops the connection)",
         settings.max_entries,
         settings.max_entries.saturating_mul(INDEX_BYTES_PER_ENTRY) / MIB,
         settings.max_booked_keys,
@@ -72,7 +72,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             / MIB,
         settings.max_inflight_lookups,
         crate::ingest::RECEIVE_HWM,
-        settings.max_event_message_bytes / (MIB as i64),
+        settings.max_event_message_bytes,
     );
     let daemon = Arc::new(Daemon::with_auth(settings, auth));
     let fleet = Fleet {

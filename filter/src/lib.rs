@@ -282,13 +282,11 @@ impl Request {
     }
 
     /// Lets Envoy retry a streamed request elsewhere when its replica sends no headers in
-    /// time; a timeout the request already carries (set by a trusted caller) stands.
+    /// time; whatever value the request came with is replaced, so no client can lift the
+    /// bound or force retries.
     fn bound_stream_headers(&self) {
         let timeout = self.gateway().stream_headers_timeout_ms;
-        if self.gateway().host != Host::Envoy
-            || timeout == 0
-            || request_header(PER_TRY_TIMEOUT_HEADER).is_some()
-        {
+        if self.gateway().host != Host::Envoy || timeout == 0 {
             return;
         }
         let _ = hostcalls::set_map_value(

@@ -101,16 +101,21 @@ impl Stats {
     /// Brings this VM's share of the two gauges to `memory_bytes` and `digest_blocks`
     /// (Envoy sums every VM's increments into one gauge).
     pub fn footprint(&self, memory_bytes: u64, digest_blocks: u64) {
-        let (memory_was, blocks_was) = self.reported.replace((memory_bytes, digest_blocks));
-        for (id, now, was) in [
-            (self.vm_memory, memory_bytes, memory_was),
-            (self.digest_blocks, digest_blocks, blocks_was),
-        ] {
-            if let (Some(id), Ok(now), Ok(was)) = (id, i64::try_from(now), i64::try_from(was)) {
-                if now != was {
-                    let _ = hostcalls::increment_metric(id, now - was);
-                }
-            }
-        }
+        let (memory_was, blocks_was) = self.reported.get();
+        // A share changes only once the host has taken the increment, so a refused one
+        // never leaves the gauge off by it.
+        let applied = |id: Option<u32>, now: u64, was: u64| match (
+            id,
+            i64::try_from(now),
+            i64::try_from(was),
+        ) {
+            _ if now == was => now,
+            (Some(id), Ok(n), Ok(w)) if hostcalls::increment_metric(id, n - w).is_ok() => now,
+            _ => was,
+        };
+        self.reported.set((
+            applied(self.vm_memory, memory_bytes, memory_was),
+            applied(self.digest_blocks, digest_blocks, blocks_was),
+        ));
     }
 }

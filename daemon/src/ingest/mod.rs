@@ -199,10 +199,13 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
             }
         }
         if link.reconnect_due(Instant::now()) {
-            warn!(endpoint = %spec.endpoint, "event stream still down: connecting again (libzmq gives up on a publisher after a message past --max-event-message-bytes or a protocol error)");
+            // libzmq retries a refused or lost connection by itself, but not one it
+            // dropped for a protocol error (a message past --max-event-message-bytes).
+            info!(endpoint = %spec.endpoint, "event stream still down: connecting again");
             let _ = sub.disconnect(&spec.events);
-            sub.connect(&spec.events)
-                .with_context(|| format!("cannot connect to {}", spec.events))?;
+            if let Err(err) = sub.connect(&spec.events) {
+                warn!(endpoint = %spec.endpoint, "cannot connect to {}: {err}", spec.events);
+            }
         }
         if live_ready {
             while let Ok(frames) = sub.recv_multipart(zmq::DONTWAIT) {

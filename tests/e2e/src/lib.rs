@@ -170,8 +170,10 @@ pub struct Stack {
 
 /// How long a streamed request waits for its replica's response headers before Envoy
 /// retries it elsewhere, as `cargo xtask up` and the tests run the filter: vLLM sends them
-/// before the prompt is even scheduled, so only a frozen or dying replica takes this long.
-pub const STREAM_HEADERS_TIMEOUT_MS: u64 = 3000;
+/// once it has rendered and tokenized the prompt (and fetched its images), before
+/// scheduling it, so only a frozen or dying replica, or a very slow preprocessing, takes
+/// this long.
+pub const STREAM_HEADERS_TIMEOUT_MS: u64 = 10_000;
 
 fn filter_config(config: &StackConfig, daemon_addr: &str, tokenizer: &str) -> Value {
     let mut filter = match config.gateway {

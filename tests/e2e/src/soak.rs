@@ -215,8 +215,8 @@ pub fn run(engine: Engine, minutes: f64) -> anyhow::Result<Report> {
             let blocks = 256;
             let spec = VllmSpec {
                 extra_args: vec!["--num-gpu-blocks-override".into(), blocks.to_string()],
-                // vLLM refuses a model length its cache cannot hold (less one reserved
-                // block).
+                // vLLM refuses a model length its cache cannot hold (with room to spare
+                // for its reserved block).
                 max_model_len: (blocks - 2) * 32,
                 ..VllmSpec::default()
             };

@@ -180,12 +180,20 @@ fn a_frozen_replicas_streamed_request_is_answered_by_the_next_ranked_one() {
     let timeouts = stack.stat("cluster.pool.upstream_rq_per_try_timeout");
     signal("-STOP");
     // A non-streamed answer's headers come with its last token: no deadline is set on it,
-    // so it waits for the replica, here frozen for a second (three timeouts' worth). Both
-    // requests are pinned long before the retried stream puts the prompt elsewhere.
+    // so it waits for the replica, here frozen for a second (three timeouts' worth). It is
+    // at the frozen replica before the stream is sent, so before the stream's retry puts
+    // the prompt on the other replica.
+    let active = stack.stat("cluster.pool.upstream_rq_active");
     let waiting = {
         let (gateway, body) = (stack.gateway.clone(), body(false));
         std::thread::spawn(move || post_json(&gateway, "/v1/completions", &body))
     };
+    poll(
+        "the request at the frozen replica",
+        Duration::from_secs(10),
+        || stack.stat("cluster.pool.upstream_rq_active") > active,
+    )
+    .unwrap();
     let frozen_at = std::time::Instant::now();
     let reply = post_json(&stack.gateway, "/v1/completions", &body(true));
     std::thread::sleep(Duration::from_secs(1).saturating_sub(frozen_at.elapsed()));

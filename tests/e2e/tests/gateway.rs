@@ -589,7 +589,7 @@ fn the_filters_footprint_gauges_follow_its_vms_across_a_reload() {
     let cached = || {
         stack
             .filter_metric("kvaffine.digest_cache_blocks")
-            .unwrap_or(-1.0)
+            .expect("the digest cache gauge")
     };
     // Each distinct history is tokenized and its blocks cached; the gauge is brought up to
     // date when the next request arrives.

@@ -76,7 +76,7 @@ pub struct ServeArgs {
     /// Largest KV-event message (or replay answer) read from a replica; a larger one is
     /// refused by libzmq, which drops that connection, so a broken or hostile publisher
     /// cannot make kvaffined buffer it. vLLM's largest is one batch of a very long prompt,
-    /// about 5 bytes per prompt token.
+    /// at most about 5 bytes per prompt token (a msgpack integer each, plus the block hashes).
     #[arg(long, default_value_t = 64 * MIB_BYTES, value_parser = clap::value_parser!(i64).range(1..))]
     pub max_event_message_bytes: i64,
     /// How long a booked pick counts as holding its prefix before events confirm it.

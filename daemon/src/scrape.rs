@@ -108,14 +108,14 @@ pub fn parse_metrics(text: &str) -> Scrape {
 pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::Client) {
     let url = format!("http://{}/metrics", endpoint.spec.endpoint);
     let health_url = format!("http://{}/health", endpoint.spec.endpoint);
+    let timeout = daemon
+        .settings
+        .scrape_interval
+        .max(std::time::Duration::from_millis(200));
     let mut ticker = tokio::time::interval(daemon.settings.scrape_interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !endpoint.stop.load(Ordering::Relaxed) {
         ticker.tick().await;
-        let timeout = daemon
-            .settings
-            .scrape_interval
-            .max(std::time::Duration::from_millis(200));
         let result = async {
             let response = client
                 .get(&url)

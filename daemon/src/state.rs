@@ -134,7 +134,8 @@ pub struct EndpointMatch {
     pub synced: bool,
     /// Its settings match the daemon's (as far as scraped).
     pub configured: bool,
-    /// Its metrics were reachable at the last scrape (or not yet scraped).
+    /// Its `/metrics` and `/health` both answered at the last scrape (or it is not yet
+    /// scraped).
     pub reachable: bool,
     /// Its event stream is connected (or has not been lost since it was added).
     pub connected: bool,

@@ -63,7 +63,8 @@ pub struct GatewayConfig {
     /// replica's response headers before Envoy gives up on that replica and retries the
     /// next ranked one (the filter sets `x-envoy-upstream-rq-per-try-timeout-ms`; the
     /// route's retry policy must retry on `5xx` or `gateway-error`). vLLM sends a stream's
-    /// headers before its first token, so only a frozen or dying replica keeps them back;
+    /// headers once it has rendered and tokenized the prompt, before scheduling it, so
+    /// only a frozen or dying replica (or preprocessing slower than this) keeps them back;
     /// a non-streamed answer's headers come with its last token, so those requests are
     /// left to the route's own timeouts. 0 (the default) sets nothing.
     #[serde(default)]

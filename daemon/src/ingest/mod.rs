@@ -108,7 +108,7 @@ struct Follower<'a> {
 
 /// Undecodable messages, and dropped index entries, are warned about at most this often
 /// per endpoint.
-const DECODE_WARNING_EVERY: Duration = Duration::from_secs(10);
+const WARNING_EVERY: Duration = Duration::from_secs(10);
 
 fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
     let spec = &endpoint.spec;
@@ -282,7 +282,7 @@ impl Follower<'_> {
     }
 
     /// Counts an undecodable frame or payload, shows it in `/v1/endpoints`, and warns at
-    /// most once per [`DECODE_WARNING_EVERY`] so a broken or hostile publisher cannot
+    /// most once per [`WARNING_EVERY`] so a broken or hostile publisher cannot
     /// flood the log.
     fn decode_error(&mut self, what: &str) {
         self.daemon
@@ -298,10 +298,10 @@ impl Follower<'_> {
         };
         let due = self
             .decode_warned
-            .is_none_or(|at| at.elapsed() >= DECODE_WARNING_EVERY);
+            .is_none_or(|at| at.elapsed() >= WARNING_EVERY);
         if due {
             self.decode_warned = Some(Instant::now());
-            warn!(endpoint = %self.endpoint.spec.endpoint, total = count, "undecodable {what} (further ones for {} s are only counted)", DECODE_WARNING_EVERY.as_secs());
+            warn!(endpoint = %self.endpoint.spec.endpoint, total = count, "undecodable {what} (further ones for {} s are only counted)", WARNING_EVERY.as_secs());
         } else {
             debug!(endpoint = %self.endpoint.spec.endpoint, "undecodable {what}");
         }
@@ -438,10 +438,10 @@ impl Follower<'_> {
             };
             if self
                 .dropped_warned
-                .is_none_or(|at| at.elapsed() >= DECODE_WARNING_EVERY)
+                .is_none_or(|at| at.elapsed() >= WARNING_EVERY)
             {
                 self.dropped_warned = Some(Instant::now());
-                warn!(endpoint = %label.endpoint, total, "its blocks are being dropped: it holds its share of --max-entries, or the index is full (further drops for {} s are only counted)", DECODE_WARNING_EVERY.as_secs());
+                warn!(endpoint = %label.endpoint, total, "its blocks are being dropped: it holds its share of --max-entries, or the index is full (further drops for {} s are only counted)", WARNING_EVERY.as_secs());
             }
         }
         if batch.skipped_unknown > 0 && !self.warned_unknown_types {

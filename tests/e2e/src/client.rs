@@ -78,7 +78,7 @@ fn send_raw_response(mut stream: TcpStream) -> Reply {
     if stream.read_to_end(&mut raw).is_err() {
         return failed();
     }
-    parse(&raw)
+    parse_response(&raw)
 }
 
 /// POSTs JSON to `path`.
@@ -92,7 +92,9 @@ pub fn post_json(addr: &str, path: &str, body: &Value) -> Reply {
     )
 }
 
-fn parse(raw: &[u8]) -> Reply {
+/// A response read off the wire (a cut one too: status and headers, and the body as far as
+/// it came).
+pub fn parse_response(raw: &[u8]) -> Reply {
     let text = String::from_utf8_lossy(raw).to_string();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let mut lines = head.lines();
@@ -192,6 +194,6 @@ impl Connection {
                 }
             }
         }
-        parse(&raw)
+        parse_response(&raw)
     }
 }

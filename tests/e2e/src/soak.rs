@@ -276,14 +276,7 @@ pub fn run(engine: Engine, minutes: f64) -> anyhow::Result<Report> {
         runtime.block_on(async {
             let clients: Vec<_> = (0..CLIENTS)
                 .map(|client| {
-                    let ctx = Ctx {
-                        url: ctx.url.clone(),
-                        replicas: ctx.replicas.clone(),
-                        client: ctx.client.clone(),
-                        salt_as_text: ctx.salt_as_text,
-                        model: ctx.model.clone(),
-                        oracle: ctx.oracle.clone(),
-                    };
+                    let ctx = ctx.clone();
                     let turns = &turns;
                     async move {
                         let mut n = 0;

@@ -18,7 +18,7 @@ use kvaffine_core::events::{
 };
 use kvaffine_core::plan::{self, Action};
 use kvaffine_core::tokens::{self, PromptKeys};
-use kvaffine_e2e::client::{Connection, Reply, post_json, send};
+use kvaffine_e2e::client::{Connection, Reply, parse_response, post_json, send};
 use kvaffine_e2e::vllm::{
     OracleProcess, SERVED_MODEL, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec,
     default_version, facts, kvaffine_settings,
@@ -1564,28 +1564,14 @@ fn stream_through(gateway: &str, body: &Value) -> Exchange {
     let mut raw = Vec::new();
     // What was read before an error stays in `raw`: a reset mid-answer is a cut answer.
     let _ = stream.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw);
-    let Some((head, rest)) = text.split_once("\r\n\r\n") else {
-        return failed(format!("no response head: {text:?}"));
-    };
-    let mut lines = head.lines();
-    let status = lines.next().and_then(|l| l.split_whitespace().nth(1));
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    let header = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map_or(String::new(), |(_, v)| v.clone())
-    };
-    if status != Some("200") {
-        return failed(format!("status {status:?}: {rest}"));
+    let reply = parse_response(&raw);
+    if reply.status != 200 {
+        return failed(format!("status {}: {}", reply.status, reply.body));
     }
+    let header = |name: &str| reply.header(name).unwrap_or("").to_owned();
     Exchange {
         started,
-        outcome: if rest.contains("data: [DONE]") {
+        outcome: if reply.body.contains("data: [DONE]") {
             Outcome::Complete
         } else {
             Outcome::CutMidStream

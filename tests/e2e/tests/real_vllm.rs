@@ -586,6 +586,47 @@ fn prediction_is_exact(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     {
         let body = json!({"model": SERVED_MODEL, "prompt": token_prompt(base + i, tokens), "max_tokens": 1});
         let first = ok(post_json(&stack.gateway, "/v1/completions", &body), "first")?;
+        // The prediction is what kvaffined has indexed from the replica's events (a booking
+        // routes the resend but predicts nothing); a re-keyed replica's events take longer
+        // to apply, so the resend waits for them instead of racing them.
+        let warm = replicas
+            .iter()
+            .find(|r| r.http == served_by(&first))
+            .ok_or_else(|| anyhow::anyhow!("{} is not a replica", served_by(&first)))?;
+        let Action::Lookup(prompt) = plan::plan(
+            &router_for(warm.version())?,
+            Api::Completions,
+            Mode::Precise,
+            body.to_string().as_bytes(),
+        )
+        .action
+        else {
+            anyhow::bail!("a token prompt is keyed without tokenizing");
+        };
+        let keys: Vec<u64> = prompt.keys.iter().map(|k| k.0).collect();
+        let lookup = json!({"blocks": keys, "candidates": 4}).to_string();
+        let servable_blocks = servable_tokens(tokens as u64) / BLOCK as u64;
+        poll(
+            "kvaffined indexing the first request's blocks",
+            Duration::from_secs(10),
+            || {
+                send(
+                    &stack.daemon_addr,
+                    "POST",
+                    "/v2/lookup",
+                    &[("content-type", "application/json")],
+                    lookup.as_bytes(),
+                )
+                .json()["candidates"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| {
+                        c["endpoint"] == warm.http.as_str()
+                            && c["matched_blocks"].as_u64() >= Some(servable_blocks)
+                    })
+            },
+        )?;
         let again = ok(post_json(&stack.gateway, "/v1/completions", &body), "again")?;
         let cached = chat_cached(&again);
         ensure(cached == servable_tokens(tokens as u64), || {
@@ -724,9 +765,14 @@ impl Events {
 
 /// The filter's router, configured as the stack's filter is.
 fn native_router() -> anyhow::Result<Router> {
+    router_for(&default_version())
+}
+
+/// The filter's router as it is configured in front of replicas of `version`.
+fn router_for(version: &str) -> anyhow::Result<Router> {
     let mut config = json!({"tokenizer_cluster": "t", "index_cluster": "i", "block_size": BLOCK});
     if let (Value::Object(config), Value::Object(settings)) =
-        (&mut config, kvaffine_settings(&default_version()).0)
+        (&mut config, kvaffine_settings(version).0)
     {
         config.extend(settings);
     }

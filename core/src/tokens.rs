@@ -136,6 +136,16 @@ pub struct PromptKeys {
 }
 
 impl PromptKeys {
+    /// The keys a lookup asks about and a booking holds: those of the servable blocks.
+    /// A hit never covers the block holding the last prompt token, and on a hybrid model
+    /// the sliding window vLLM keeps for the prompt ends where its servable blocks end, so
+    /// a later prompt can be served only up to there.
+    pub fn into_servable(mut self) -> Vec<BlockKey> {
+        self.keys
+            .truncate(usize::try_from(self.servable_blocks).unwrap_or(usize::MAX));
+        self.keys
+    }
+
     /// The keys of `tokens`, reusing digests from `cache` if given.
     pub fn of(
         router: &Router,
@@ -222,6 +232,8 @@ mod tests {
         assert_eq!(render.keys, keys.keys[..1]);
         // Exactly one full block: vLLM computes its last token, so nothing is servable.
         assert_eq!(render.servable_blocks, 0);
+        assert_eq!(render.into_servable(), []);
+        assert_eq!(keys.clone().into_servable(), keys.keys);
         assert!(
             keys_from_tokenize(&r, &KeyExtras::default(), br#"{"tokens":[-1]}"#, None).is_err()
         );

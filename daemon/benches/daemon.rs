@@ -84,7 +84,7 @@ fn fill(index: &mut PrefixIndex, rng: &mut Rng, blocks: usize) -> Vec<Vec<u64>> 
     let mut chains = Vec::new();
     for c in 0..blocks / KEYS_PER_LOOKUP {
         let chain: Vec<u64> = (0..KEYS_PER_LOOKUP).map(|_| rng.next()).collect();
-        index.store(Slot::new(c % ENDPOINTS).unwrap(), GPU, &chain);
+        index.store(Slot::new(c % ENDPOINTS).unwrap(), GPU, 0, &chain);
         chains.push(chain);
     }
     chains
@@ -160,7 +160,7 @@ fn lookups(out: &mut String) {
         let mut sink = 0u32;
         for q in &queries {
             let start = Instant::now();
-            sink ^= index.longest_prefixes(GPU, q)[0];
+            sink ^= index.longest_prefixes(GPU, 0, q)[0];
             times.push(start.elapsed());
         }
         std::hint::black_box(sink);
@@ -390,7 +390,7 @@ fn memory(out: &mut String) {
             chunk.clear();
             chunk.extend((0..1024).map(|_| rng.next()));
             for c in 0..copies {
-                index.store(Slot::new((slot + c) % ENDPOINTS).unwrap(), GPU, &chunk);
+                index.store(Slot::new((slot + c) % ENDPOINTS).unwrap(), GPU, 0, &chunk);
             }
             slot += 1;
         }
@@ -415,7 +415,7 @@ fn booking_memory(out: &mut String) {
     let mut n = 0;
     while booked + KEYS_PER_LOOKUP <= 1_000_000 {
         let keys: Vec<BlockKey> = (0..KEYS_PER_LOOKUP).map(|_| BlockKey(rng.next())).collect();
-        assert!(bookings.book(Slot::new(n % ENDPOINTS).unwrap(), &keys, expires));
+        assert!(bookings.book(Slot::new(n % ENDPOINTS).unwrap(), &keys, &[], expires));
         booked += keys.len();
         n += 1;
     }

@@ -20,6 +20,44 @@ use crate::index::{MAX_SLOTS, Slot};
 struct Booking {
     slot: Slot,
     keys: Vec<u64>,
+    /// The keys of the sliding windows its request leaves cached, on a hybrid replica.
+    windows: Vec<u64>,
+}
+
+/// Key -> (slot, number of live bookings of that key on that slot).
+#[derive(Default)]
+struct Counted(HashMap<u64, Vec<(Slot, u32)>, RandomState>);
+
+impl Counted {
+    fn add(&mut self, slot: Slot, key: u64) {
+        let counts = self.0.entry(key).or_default();
+        match counts.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((slot, 1)),
+        }
+    }
+
+    fn sub(&mut self, slot: Slot, key: u64) {
+        if let Some(counts) = self.0.get_mut(&key) {
+            for (s, n) in counts.iter_mut() {
+                if *s == slot {
+                    *n -= 1;
+                }
+            }
+            counts.retain(|(_, n)| *n > 0);
+            if counts.is_empty() {
+                self.0.remove(&key);
+            }
+        }
+    }
+
+    fn slots(&self, key: u64) -> u64 {
+        self.0.get(&key).map_or(0, |counts| {
+            counts
+                .iter()
+                .fold(0, |bits, (slot, _)| bits | 1 << slot.index())
+        })
+    }
 }
 
 /// Queued prefill of one replica, in uncached-token equivalents, as of `at`.
@@ -96,8 +134,10 @@ pub struct Bookings {
     max_keys: usize,
     entries: HashMap<u64, Booking, RandomState>,
     next_id: u64,
-    /// Key -> (slot, number of live bookings of that key on that slot).
-    holders: HashMap<u64, Vec<(Slot, u32)>, RandomState>,
+    /// Who has booked each key.
+    holders: Counted,
+    /// Who has booked each key as part of a sliding window.
+    windows: Counted,
     /// (slot, last key) -> booking id.
     by_last_key: HashMap<(Slot, u64), u64, RandomState>,
     /// Soonest expiry first; ids already dropped are skipped when they come up.
@@ -113,9 +153,16 @@ impl Bookings {
         }
     }
 
-    /// Books `keys` on `slot` until `expires`; false if that would pass the key bound (the
-    /// pick then counts only once its events arrive).
-    pub fn book(&mut self, slot: Slot, keys: &[BlockKey], expires: Instant) -> bool {
+    /// Books `keys` on `slot` until `expires`, and the keys at `windows` as the sliding
+    /// windows the request leaves cached on a hybrid replica (empty elsewhere); false if
+    /// that would pass the key bound (the pick then counts only once its events arrive).
+    pub fn book(
+        &mut self,
+        slot: Slot,
+        keys: &[BlockKey],
+        windows: &[std::ops::Range<usize>],
+        expires: Instant,
+    ) -> bool {
         let Some(&BlockKey(last)) = keys.last() else {
             return true;
         };
@@ -129,11 +176,16 @@ impl Bookings {
         let id = self.next_id;
         self.next_id += 1;
         for &BlockKey(key) in keys {
-            let counts = self.holders.entry(key).or_default();
-            match counts.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, n)) => *n += 1,
-                None => counts.push((slot, 1)),
-            }
+            self.holders.add(slot, key);
+        }
+        let windows: Vec<u64> = windows
+            .iter()
+            .filter_map(|range| keys.get(range.clone()))
+            .flatten()
+            .map(|k| k.0)
+            .collect();
+        for &key in &windows {
+            self.windows.add(slot, key);
         }
         self.by_last_key.insert((slot, last), id);
         self.expiries.push(Reverse((expires, id)));
@@ -142,6 +194,7 @@ impl Bookings {
             Booking {
                 slot,
                 keys: keys.iter().map(|k| k.0).collect(),
+                windows,
             },
         );
         true
@@ -156,17 +209,10 @@ impl Bookings {
             self.by_last_key.remove(&(booking.slot, *last));
         }
         for key in &booking.keys {
-            if let Some(counts) = self.holders.get_mut(key) {
-                for (slot, n) in counts.iter_mut() {
-                    if *slot == booking.slot {
-                        *n -= 1;
-                    }
-                }
-                counts.retain(|(_, n)| *n > 0);
-                if counts.is_empty() {
-                    self.holders.remove(key);
-                }
-            }
+            self.holders.sub(booking.slot, *key);
+        }
+        for key in &booking.windows {
+            self.windows.sub(booking.slot, *key);
         }
     }
 
@@ -205,11 +251,12 @@ impl Bookings {
 
     /// Slots holding a live booking of `key`.
     pub fn holders(&self, key: u64) -> u64 {
-        self.holders.get(&key).map_or(0, |counts| {
-            counts
-                .iter()
-                .fold(0, |bits, (slot, _)| bits | 1 << slot.index())
-        })
+        self.holders.slots(key)
+    }
+
+    /// Slots holding a live booking of `key` in a sliding window.
+    pub fn window_holders(&self, key: u64) -> u64 {
+        self.windows.slots(key)
     }
 
     /// Keys held by live bookings (expired ones count until a lookup drops them).
@@ -252,8 +299,8 @@ mod tests {
         let now = Instant::now();
         let ttl = Duration::from_secs(2);
         let mut bookings = Bookings::new(100);
-        bookings.book(a, &keys(&[1, 2, 3]), now + ttl);
-        bookings.book(b, &keys(&[1, 2]), now + ttl);
+        bookings.book(a, &keys(&[1, 2, 3]), &[], now + ttl);
+        bookings.book(b, &keys(&[1, 2]), &[], now + ttl);
         assert_eq!(bookings.holders(1), 0b1001);
         assert_eq!(bookings.holders(3), 0b0001);
         bookings.confirm(a, &[2]);
@@ -268,12 +315,33 @@ mod tests {
     }
 
     #[test]
+    fn a_booking_holds_its_windows_apart_until_it_goes() {
+        let a = Slot::new(2).unwrap();
+        let now = Instant::now();
+        let mut bookings = Bookings::new(100);
+        bookings.book(
+            a,
+            &keys(&[1, 2, 3, 4, 5]),
+            &[1..2, 3..5, 4..9],
+            now + Duration::from_secs(1),
+        );
+        assert_eq!(bookings.holders(1), 0b100);
+        assert_eq!(
+            [1, 2, 3, 4, 5].map(|k| bookings.window_holders(k)),
+            [0, 0b100, 0, 0b100, 0b100],
+            "a window past the keys books nothing"
+        );
+        bookings.confirm(a, &[5]);
+        assert_eq!(bookings.window_holders(2), 0);
+    }
+
+    #[test]
     fn a_rebooked_prefix_expires_with_its_newest_booking() {
         let a = Slot::new(0).unwrap();
         let now = Instant::now();
         let mut bookings = Bookings::new(100);
-        bookings.book(a, &keys(&[1, 2]), now + Duration::from_secs(1));
-        bookings.book(a, &keys(&[1, 2]), now + Duration::from_secs(3));
+        bookings.book(a, &keys(&[1, 2]), &[], now + Duration::from_secs(1));
+        bookings.book(a, &keys(&[1, 2]), &[], now + Duration::from_secs(3));
         bookings.expire(now + Duration::from_secs(2));
         assert_eq!(
             bookings.holders(2),
@@ -289,13 +357,18 @@ mod tests {
         let a = Slot::new(0).unwrap();
         let now = Instant::now();
         let mut bookings = Bookings::new(5);
-        assert!(bookings.book(a, &keys(&[1, 2, 3]), now + Duration::from_secs(1)));
-        assert!(!bookings.book(a, &keys(&[4, 5, 6]), now + Duration::from_secs(1)));
+        assert!(bookings.book(a, &keys(&[1, 2, 3]), &[], now + Duration::from_secs(1)));
+        assert!(!bookings.book(a, &keys(&[4, 5, 6]), &[], now + Duration::from_secs(1)));
         assert_eq!(bookings.holders(4), 0);
         // Rebooking the same prefix replaces it rather than adding to it.
-        assert!(bookings.book(a, &keys(&[1, 2, 3]), now + Duration::from_secs(2)));
+        assert!(bookings.book(a, &keys(&[1, 2, 3]), &[], now + Duration::from_secs(2)));
         bookings.expire(now + Duration::from_secs(2));
-        assert!(bookings.book(a, &keys(&[4, 5, 6, 7, 8]), now + Duration::from_secs(3)));
+        assert!(bookings.book(
+            a,
+            &keys(&[4, 5, 6, 7, 8]),
+            &[],
+            now + Duration::from_secs(3)
+        ));
     }
 
     #[test]

@@ -8,6 +8,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use serde_json::Value;
 
+use crate::hybrid::{Layout, Rule};
 use crate::scrape::parse_metrics;
 
 /// Flags of `kvaffined check`.
@@ -30,8 +31,14 @@ pub struct Report {
     pub computable: bool,
 }
 
-/// Builds the report from the replica's `/metrics` text and `/kv_event_sources` JSON.
-pub fn report(metrics: &str, sources: Option<&Value>, expected_block_size: Option<u64>) -> Report {
+/// Builds the report from the replica's `/metrics` text, its `/kv_event_sources` JSON and
+/// the KV-cache groups its buffered events name (or why they could not be read).
+pub fn report(
+    metrics: &str,
+    sources: Option<&Value>,
+    expected_block_size: Option<u64>,
+    groups: Result<&Layout, &str>,
+) -> Report {
     let scrape = parse_metrics(metrics);
     let mut text = String::new();
     let mut computable = true;
@@ -112,6 +119,45 @@ pub fn report(metrics: &str, sources: Option<&Value>, expected_block_size: Optio
                 .into(),
         ),
     }
+    match groups {
+        Ok(layout) if layout.groups().is_empty() => {
+            let _ = writeln!(
+                text,
+                "KV-cache groups: none published yet (its replay buffer is empty: run check again after it has served a request)"
+            );
+        }
+        Ok(layout) => {
+            for g in layout.groups() {
+                let _ = writeln!(
+                    text,
+                    "KV-cache group {}: {}{}, block size {}",
+                    g.group,
+                    g.kind,
+                    g.sliding_window
+                        .map_or(String::new(), |w| format!(" (window {w} tokens)")),
+                    g.block_size
+                );
+            }
+            let block_size = expected_block_size
+                .or(scrape.block_size)
+                .or_else(|| layout.groups().first().map(|g| g.block_size))
+                .unwrap_or(0);
+            match layout.rule(block_size) {
+                Rule::Unsupported(why) => problem(&mut text, why),
+                Rule::Hybrid { windows, .. } => {
+                    let _ = writeln!(
+                        text,
+                        "  hybrid attention: a hit needs each sliding-window group's last {} block(s) before it; kvaffine predicts that",
+                        windows.iter().map(|(_, n)| *n).max().unwrap_or(0)
+                    );
+                }
+                Rule::Prefix(_) => {}
+            }
+        }
+        Err(why) => {
+            let _ = writeln!(text, "KV-cache groups: not read ({why})");
+        }
+    }
     let _ = writeln!(
         text,
         "{}",
@@ -158,12 +204,69 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<()> {
         };
         anyhow::Ok((metrics, sources))
     })?;
-    let report = report(&metrics, sources.as_ref(), args.block_size);
+    let groups = groups_of(&args.endpoint, sources.as_ref());
+    let report = report(
+        &metrics,
+        sources.as_ref(),
+        args.block_size,
+        groups.as_ref().map_err(String::as_str),
+    );
     print!("{}", report.text);
     if !report.computable {
         bail!("{base}: kvaffine cannot compute this replica's keys as configured (see above)");
     }
     Ok(())
+}
+
+/// The KV-cache groups the replica's buffered events name, read from its first rank's
+/// replay socket (groups are learned from events: vLLM's metrics do not name them).
+fn groups_of(endpoint: &str, sources: Option<&Value>) -> Result<Layout, String> {
+    let sources = sources.ok_or("no /kv_event_sources")?;
+    let sources: std::collections::BTreeMap<String, crate::discovery::EventSource> =
+        serde_json::from_value(sources.clone()).map_err(|e| e.to_string())?;
+    let host = endpoint
+        .trim_end_matches('/')
+        .trim_start_matches("http://")
+        .trim_start_matches("https://");
+    let specs = crate::discovery::resolve_sources(host, &sources).map_err(|e| format!("{e:#}"))?;
+    let replay = specs
+        .iter()
+        .find_map(|s| s.replay.clone())
+        .ok_or("no replay endpoint")?;
+    let context = zmq::Context::new();
+    let dealer = context.socket(zmq::DEALER).map_err(|e| e.to_string())?;
+    dealer.set_rcvtimeo(2000).map_err(|e| e.to_string())?;
+    dealer.set_linger(0).map_err(|e| e.to_string())?;
+    dealer.connect(&replay).map_err(|e| e.to_string())?;
+    let request = kvaffine_core::events::replay_request(0);
+    dealer
+        .send_multipart(request.iter().map(Vec::as_slice), 0)
+        .map_err(|e| e.to_string())?;
+    let mut layout = Layout::default();
+    loop {
+        let frames = dealer
+            .recv_multipart(0)
+            .map_err(|e| format!("{replay} did not answer a replay request: {e}"))?;
+        match kvaffine_core::events::parse_replay(&frames).map_err(|e| e.to_string())? {
+            kvaffine_core::events::ReplayMessage::End => return Ok(layout),
+            kvaffine_core::events::ReplayMessage::Batch { payload, .. } => {
+                let batch =
+                    kvaffine_core::events::decode_batch(payload).map_err(|e| e.to_string())?;
+                for event in &batch.events {
+                    if let kvaffine_core::events::KvEvent::BlockStored(s) = event {
+                        let group = u32::try_from(s.group_idx.unwrap_or(0))
+                            .map_err(|_| format!("group_idx {:?}", s.group_idx))?;
+                        layout.learn(
+                            group,
+                            s.kv_cache_spec_kind.as_deref(),
+                            s.kv_cache_spec_sliding_window,
+                            s.block_size,
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -177,9 +280,31 @@ mod tests {
     #[test]
     fn a_well_configured_replica_passes() {
         let sources = json!({"0": {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}});
-        let report = report(GOOD, Some(&sources), Some(64));
+        let report = report(GOOD, Some(&sources), Some(64), Ok(&Layout::default()));
         assert!(report.computable, "{}", report.text);
         assert!(report.text.contains("tcp://*:5557"));
+    }
+
+    #[test]
+    fn hybrid_groups_are_shown_and_unknown_kinds_fail() {
+        let sources = json!({"0": {"enable_kv_cache_events": true, "endpoint": "x"}});
+        let mut gemma = Layout::default();
+        gemma.learn(0, Some("sliding_window"), Some(128), 64);
+        gemma.learn(1, Some("full_attention"), None, 64);
+        let hybrid = report(GOOD, Some(&sources), None, Ok(&gemma));
+        assert!(hybrid.computable, "{}", hybrid.text);
+        assert!(
+            hybrid
+                .text
+                .contains("KV-cache group 0: sliding_window (window 128 tokens), block size 64"),
+            "{}",
+            hybrid.text
+        );
+        assert!(hybrid.text.contains("last 2 block(s)"), "{}", hybrid.text);
+        gemma.learn(2, Some("mamba"), None, 64);
+        let mamba = report(GOOD, Some(&sources), None, Ok(&gemma));
+        assert!(!mamba.computable, "{}", mamba.text);
+        assert!(mamba.text.contains("mamba"), "{}", mamba.text);
     }
 
     #[test]
@@ -189,7 +314,8 @@ mod tests {
             !report(
                 &pickle,
                 Some(&json!({"0": {"enable_kv_cache_events": true, "endpoint": "x"}})),
-                None
+                None,
+                Ok(&Layout::default())
             )
             .computable
         );
@@ -197,11 +323,12 @@ mod tests {
             !report(
                 GOOD,
                 Some(&json!({"0": {"enable_kv_cache_events": true, "endpoint": "x"}})),
-                Some(16)
+                Some(16),
+                Ok(&Layout::default())
             )
             .computable
         );
-        assert!(!report(GOOD, None, Some(64)).computable);
-        assert!(!report("", None, None).computable);
+        assert!(!report(GOOD, None, Some(64), Err("no sources")).computable);
+        assert!(!report("", None, None, Err("no sources")).computable);
     }
 }

@@ -1,12 +1,16 @@
-//! The prefix index: which endpoint slots hold which block keys, per storage tier.
+//! The prefix index: which endpoint slots hold which block keys, per storage tier and
+//! KV-cache group.
 //!
-//! One hash map per tier from block key to a 64-bit set of endpoint slots. Block keys are
-//! truncated SHA-256 or XXH3 digests, so they spread evenly under a cheap hasher. Memory per
-//! key is one 16-byte entry plus hashbrown's control byte and load-factor slack, shared by
-//! every endpoint holding the block (figures in `docs/benchmarks/daemon.md`).
+//! One hash map per (tier, group) from block key to a 64-bit set of endpoint slots. Block
+//! keys are truncated SHA-256 or XXH3 digests, so they spread evenly under a cheap hasher.
+//! Memory per key is one 16-byte entry plus hashbrown's control byte and load-factor slack,
+//! shared by every endpoint holding the block (figures in `docs/benchmarks/daemon.md`).
+//! A hybrid-attention model (sliding-window and full-attention layers) publishes each
+//! group's blocks apart, so each group has its own table; which group means what is the
+//! endpoint's [layout](crate::hybrid::Layout), read where the tables are asked.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 
 use foldhash::fast::RandomState;
 
@@ -36,7 +40,22 @@ impl Slot {
     }
 }
 
+/// A KV-cache group's number, as vLLM's events give it (`group_idx`; 0 for a model with
+/// one group, and for versions that do not say).
+pub type Group = u32;
+
 type Holders = HashMap<u64, u64, RandomState>;
+
+/// One (tier, group)'s blocks.
+#[derive(Debug, Default)]
+struct Table {
+    holders: Holders,
+    /// Copies of a (block, slot) beyond the first. vLLM can hold the same content in
+    /// several physical blocks (a hybrid miss recomputes a prefix it already holds; two
+    /// requests can compute one block at once), each stored and evicted with its own event:
+    /// the slot holds the block until the last copy goes.
+    extra_copies: HashMap<(u64, u8), u32, RandomState>,
+}
 
 /// What a store did: entries are (block, slot) pairs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -52,7 +71,8 @@ pub struct StoreOutcome {
 /// room for the others' new blocks.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    tiers: HashMap<String, Holders>,
+    /// Tier -> group -> table.
+    tiers: HashMap<String, BTreeMap<Group, Table>>,
     entries: usize,
     max_entries: usize,
     /// Entries held per slot.
@@ -80,20 +100,25 @@ impl PrefixIndex {
         self.share = self.max_entries / slots.max(1);
     }
 
-    /// Records that `slot` holds `keys` in `medium`.
-    pub fn store(&mut self, slot: Slot, medium: &str, keys: &[u64]) -> StoreOutcome {
-        let holders = match self.tiers.get_mut(medium) {
-            Some(h) => h,
+    /// Records that `slot` holds one more copy of each of `keys` in `medium`'s `group`.
+    pub fn store(&mut self, slot: Slot, medium: &str, group: Group, keys: &[u64]) -> StoreOutcome {
+        let groups = match self.tiers.get_mut(medium) {
+            Some(g) => g,
             None => self.tiers.entry(medium.to_owned()).or_default(),
         };
+        let table = groups.entry(group).or_default();
         let mut outcome = StoreOutcome::default();
         let Some(held) = self.by_slot.get_mut(slot.index()) else {
             return outcome;
         };
+        let holders = &mut table.holders;
         for &key in keys {
             let full = self.entries >= self.max_entries || *held >= self.share;
             match holders.entry(key) {
-                Entry::Occupied(set) if *set.get() & slot.bit() != 0 => continue,
+                Entry::Occupied(set) if *set.get() & slot.bit() != 0 => {
+                    *table.extra_copies.entry((key, slot.0)).or_default() += 1;
+                    continue;
+                }
                 _ if full => {
                     outcome.dropped += 1;
                     continue;
@@ -115,13 +140,24 @@ impl PrefixIndex {
         self.by_slot.get(slot.index()).copied().unwrap_or(0)
     }
 
-    /// Records that `slot` no longer holds `keys` in `medium`; returns pairs removed.
-    pub fn remove(&mut self, slot: Slot, medium: &str, keys: &[u64]) -> usize {
-        let Some(holders) = self.tiers.get_mut(medium) else {
+    /// Records that `slot` holds one copy fewer of each of `keys` in `medium`'s `group`;
+    /// returns the pairs of which it held the last copy.
+    pub fn remove(&mut self, slot: Slot, medium: &str, group: Group, keys: &[u64]) -> usize {
+        let Some(table) = self.tiers.get_mut(medium).and_then(|g| g.get_mut(&group)) else {
             return 0;
         };
+        let (holders, copies) = (&mut table.holders, &mut table.extra_copies);
         let mut removed = 0;
         for key in keys {
+            if !copies.is_empty() {
+                if let Entry::Occupied(mut extra) = copies.entry((*key, slot.0)) {
+                    *extra.get_mut() -= 1;
+                    if *extra.get() == 0 {
+                        extra.remove();
+                    }
+                    continue;
+                }
+            }
             if let Some(set) = holders.get_mut(key) {
                 if *set & slot.bit() != 0 {
                     *set &= !slot.bit();
@@ -143,8 +179,9 @@ impl PrefixIndex {
     /// endpoint); returns pairs removed.
     pub fn purge(&mut self, slot: Slot) -> usize {
         let mut removed = 0;
-        for holders in self.tiers.values_mut() {
-            holders.retain(|_, set| {
+        for table in self.tiers.values_mut().flat_map(BTreeMap::values_mut) {
+            table.extra_copies.retain(|(_, s), _| *s != slot.0);
+            table.holders.retain(|_, set| {
                 if *set & slot.bit() != 0 {
                     *set &= !slot.bit();
                     removed += 1;
@@ -159,15 +196,21 @@ impl PrefixIndex {
         removed
     }
 
-    /// For every slot, how many of `keys` it holds contiguously from `keys[0]` in `medium`.
-    pub fn longest_prefixes(&self, medium: &str, keys: &[u64]) -> [u32; MAX_SLOTS] {
-        longest_prefixes_by(keys.iter().copied(), self.tier(medium))
+    /// For every slot, how many of `keys` it holds contiguously from `keys[0]` in
+    /// `medium`'s `group`.
+    pub fn longest_prefixes(&self, medium: &str, group: Group, keys: &[u64]) -> [u32; MAX_SLOTS] {
+        longest_prefixes_by(keys.iter().copied(), self.tier(medium, group))
     }
 
-    /// The `medium` tier's holder sets, for walks that add holders of their own.
-    pub fn tier(&self, medium: &str) -> impl Fn(u64) -> u64 + '_ {
-        let tier = self.tiers.get(medium);
-        move |key| tier.and_then(|h| h.get(&key)).copied().unwrap_or(0)
+    /// The holder sets of `medium`'s `group`, for walks that add holders of their own.
+    pub fn tier(&self, medium: &str, group: Group) -> impl Fn(u64) -> u64 + '_ {
+        let table = self.tiers.get(medium).and_then(|g| g.get(&group));
+        move |key| {
+            table
+                .and_then(|t| t.holders.get(&key))
+                .copied()
+                .unwrap_or(0)
+        }
     }
 
     /// The tiers that have held blocks.
@@ -184,6 +227,8 @@ impl PrefixIndex {
     pub fn table_bytes(&self) -> usize {
         self.tiers
             .values()
+            .flat_map(BTreeMap::values)
+            .map(|t| &t.holders)
             .map(|h| {
                 let buckets = if h.capacity() == 0 {
                     0
@@ -242,43 +287,43 @@ mod tests {
     #[test]
     fn matches_count_only_the_contiguous_run_from_the_first_key() {
         let mut index = PrefixIndex::new(100);
-        index.store(slot(0), GPU, &[1, 2, 3]);
-        index.store(slot(1), GPU, &[1, 2, 4]);
-        index.store(slot(2), GPU, &[2, 3]);
-        let m = index.longest_prefixes(GPU, &[1, 2, 3, 9]);
+        index.store(slot(0), GPU, 0, &[1, 2, 3]);
+        index.store(slot(1), GPU, 0, &[1, 2, 4]);
+        index.store(slot(2), GPU, 0, &[2, 3]);
+        let m = index.longest_prefixes(GPU, 0, &[1, 2, 3, 9]);
         assert_eq!(&m[..4], &[3, 2, 0, 0]);
-        assert_eq!(index.longest_prefixes("CPU", &[1])[0], 0);
-        assert_eq!(index.longest_prefixes(GPU, &[])[0], 0);
+        assert_eq!(index.longest_prefixes("CPU", 0, &[1])[0], 0);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[])[0], 0);
     }
 
     #[test]
     fn tiers_are_kept_apart() {
         let mut index = PrefixIndex::new(100);
-        index.store(slot(0), "CPU", &[1, 2]);
-        assert_eq!(index.longest_prefixes(GPU, &[1, 2])[0], 0);
-        assert_eq!(index.longest_prefixes("CPU", &[1, 2])[0], 2);
+        index.store(slot(0), "CPU", 0, &[1, 2]);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2])[0], 0);
+        assert_eq!(index.longest_prefixes("CPU", 0, &[1, 2])[0], 2);
     }
 
     #[test]
     fn removal_and_purge_forget_only_that_slot() {
         let mut index = PrefixIndex::new(100);
-        index.store(slot(0), GPU, &[1, 2, 3]);
-        index.store(slot(5), GPU, &[1, 2, 3]);
+        index.store(slot(0), GPU, 0, &[1, 2, 3]);
+        index.store(slot(5), GPU, 0, &[1, 2, 3]);
         assert_eq!(index.entries(), 6);
-        assert_eq!(index.remove(slot(0), GPU, &[2, 7]), 1);
+        assert_eq!(index.remove(slot(0), GPU, 0, &[2, 7]), 1);
         assert_eq!(
-            &index.longest_prefixes(GPU, &[1, 2, 3])[..6],
+            &index.longest_prefixes(GPU, 0, &[1, 2, 3])[..6],
             &[1, 0, 0, 0, 0, 3]
         );
         assert_eq!(index.purge(slot(5)), 3);
         assert_eq!(index.entries(), 2);
-        assert_eq!(index.longest_prefixes(GPU, &[1])[5], 0);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1])[5], 0);
     }
 
     #[test]
     fn the_entry_limit_drops_new_pairs_and_counts_them() {
         let mut index = PrefixIndex::new(3);
-        let outcome = index.store(slot(0), GPU, &[1, 2, 3, 4]);
+        let outcome = index.store(slot(0), GPU, 0, &[1, 2, 3, 4]);
         assert_eq!(
             outcome,
             StoreOutcome {
@@ -286,9 +331,9 @@ mod tests {
                 dropped: 1
             }
         );
-        assert_eq!(index.store(slot(1), GPU, &[1]).dropped, 1);
-        index.remove(slot(0), GPU, &[3]);
-        assert_eq!(index.store(slot(1), GPU, &[1]).added, 1);
+        assert_eq!(index.store(slot(1), GPU, 0, &[1]).dropped, 1);
+        index.remove(slot(0), GPU, 0, &[3]);
+        assert_eq!(index.store(slot(1), GPU, 0, &[1]).added, 1);
     }
 
     #[test]
@@ -296,26 +341,57 @@ mod tests {
         let mut index = PrefixIndex::new(10);
         index.share_among(2);
         let flood: Vec<u64> = (100..200).collect();
-        let outcome = index.store(slot(0), GPU, &flood);
+        let outcome = index.store(slot(0), GPU, 0, &flood);
         assert_eq!((outcome.added, outcome.dropped), (5, 95));
-        assert_eq!(index.store(slot(1), GPU, &[1, 2, 3]).added, 3);
-        assert_eq!(index.longest_prefixes(GPU, &[1, 2, 3])[1], 3);
+        assert_eq!(index.store(slot(1), GPU, 0, &[1, 2, 3]).added, 3);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2, 3])[1], 3);
         assert_eq!(
             (index.slot_entries(slot(0)), index.slot_entries(slot(1))),
             (5, 3)
         );
-        index.remove(slot(0), GPU, &[100]);
+        index.remove(slot(0), GPU, 0, &[100]);
         assert_eq!(index.slot_entries(slot(0)), 4);
         assert_eq!(index.purge(slot(1)), 3);
         assert_eq!(index.slot_entries(slot(1)), 0);
         index.share_among(1);
-        assert_eq!(index.store(slot(0), GPU, &flood).added, 6);
+        assert_eq!(index.store(slot(0), GPU, 0, &flood).added, 6);
+    }
+
+    #[test]
+    fn a_block_stays_held_until_its_last_copy_is_removed() {
+        let mut index = PrefixIndex::new(100);
+        index.store(slot(0), GPU, 1, &[1, 2]);
+        index.store(slot(0), GPU, 1, &[1]);
+        assert_eq!(index.entries(), 2);
+        assert_eq!(index.remove(slot(0), GPU, 1, &[1]), 0);
+        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2])[0], 2);
+        assert_eq!(index.remove(slot(0), GPU, 1, &[1]), 1);
+        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2])[0], 0);
+        index.store(slot(0), GPU, 1, &[2]);
+        index.purge(slot(0));
+        index.store(slot(0), GPU, 1, &[2]);
+        assert_eq!(
+            index.remove(slot(0), GPU, 1, &[2]),
+            1,
+            "a purge forgets copies"
+        );
+    }
+
+    #[test]
+    fn groups_are_kept_apart() {
+        let mut index = PrefixIndex::new(100);
+        index.store(slot(0), GPU, 1, &[1, 2]);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2])[0], 0);
+        assert_eq!(index.remove(slot(0), GPU, 0, &[1]), 0);
+        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2])[0], 2);
     }
 
     #[test]
     fn agrees_with_a_naive_model_on_random_operations() {
+        use std::collections::HashMap;
         let mut index = PrefixIndex::new(usize::MAX);
-        let mut model: Vec<std::collections::HashSet<u64>> = vec![Default::default(); 4];
+        // Per slot: copies held of each (group, key).
+        let mut model: Vec<HashMap<(Group, u64), u32>> = vec![HashMap::new(); 4];
         let mut state = 7u64;
         let mut next = || {
             state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
@@ -323,27 +399,38 @@ mod tests {
         };
         for _ in 0..5000 {
             let s = (next() % 4) as usize;
+            let group = (next() % 2) as Group;
             let keys: Vec<u64> = (0..(next() % 6)).map(|_| next() % 20).collect();
             match next() % 10 {
                 0 => {
                     index.purge(slot(s));
                     model[s].clear();
                 }
-                1..=3 => {
-                    index.remove(slot(s), GPU, &keys);
-                    keys.iter().for_each(|k| {
-                        model[s].remove(k);
-                    });
+                1..=4 => {
+                    index.remove(slot(s), GPU, group, &keys);
+                    for k in &keys {
+                        if let Some(n) = model[s].get_mut(&(group, *k)) {
+                            *n -= 1;
+                            if *n == 0 {
+                                model[s].remove(&(group, *k));
+                            }
+                        }
+                    }
                 }
                 _ => {
-                    index.store(slot(s), GPU, &keys);
-                    model[s].extend(&keys);
+                    index.store(slot(s), GPU, group, &keys);
+                    for k in &keys {
+                        *model[s].entry((group, *k)).or_default() += 1;
+                    }
                 }
             }
             let query: Vec<u64> = (0..(next() % 8)).map(|_| next() % 20).collect();
-            let got = index.longest_prefixes(GPU, &query);
+            let got = index.longest_prefixes(GPU, group, &query);
             for (slot_n, held) in model.iter().enumerate() {
-                let want = query.iter().take_while(|k| held.contains(k)).count() as u32;
+                let want = query
+                    .iter()
+                    .take_while(|k| held.contains_key(&(group, **k)))
+                    .count() as u32;
                 assert_eq!(got[slot_n], want);
             }
             assert_eq!(

@@ -11,6 +11,7 @@ pub mod config;
 pub mod discovery;
 pub mod history;
 pub mod http;
+pub mod hybrid;
 pub mod index;
 pub mod ingest;
 pub mod keys_cmd;

@@ -14,7 +14,8 @@ use serde::Serialize;
 use crate::bookings::{Backlogs, Bookings};
 use crate::config::{EndpointSpec, Settings};
 use crate::history::History;
-use crate::index::{GPU, MAX_SLOTS, PrefixIndex, Slot, longest_prefixes_by};
+use crate::hybrid::{Layout, Rule, hybrid_hit};
+use crate::index::{GPU, Group, MAX_SLOTS, PrefixIndex, Slot, longest_prefixes_by};
 use crate::metrics::{EndpointLabel, Metrics};
 
 /// Everything the ingest threads, scrapers and HTTP handlers share.
@@ -106,6 +107,14 @@ pub struct EndpointStatus {
     /// Its event stream's connection went down and has not come back (the replica stopped,
     /// crashed or is restarting): it is ranked after every replica that can take traffic.
     pub events_disconnected: bool,
+    /// The KV-cache groups its events have named (kind, window, block size), in order.
+    pub kv_cache_groups: Layout,
+    /// Why kvaffine cannot predict its cache hits from those groups, if it cannot: its
+    /// matches then count as 0.
+    pub kv_cache_unsupported: Option<String>,
+    /// How lookups read its groups.
+    #[serde(skip)]
+    pub rule: Arc<Rule>,
 }
 
 /// One endpoint in a ranking, as `/v1/lookup` answers it.
@@ -165,6 +174,8 @@ struct Replica {
     record: EndpointMatch,
     /// The slot of its best-matching data-parallel rank: where a booking goes.
     best_slot: Slot,
+    /// That slot's window groups, if it has any.
+    windows: Option<Windows>,
     /// The model its metrics name, if scraped.
     model: Option<String>,
 }
@@ -175,8 +186,20 @@ struct Matches {
     matched: [u32; MAX_SLOTS],
     /// GPU tier, events only.
     indexed: [u32; MAX_SLOTS],
-    /// Other tiers, events only.
+    /// Other tiers, events only (full-attention groups).
     tiers: Vec<(String, [u32; MAX_SLOTS])>,
+    /// What booking a hybrid slot must credit.
+    windows: [Option<Windows>; MAX_SLOTS],
+}
+
+/// A hybrid replica's answer, kept to book what the request will leave in its window
+/// groups.
+#[derive(Clone, Copy, Debug)]
+struct Windows {
+    /// Leading blocks its full-attention groups hold, bookings included.
+    full: u32,
+    /// The most blocks before a hit point any of its window groups needs.
+    needed: usize,
 }
 
 /// A lookup's ranking, before anything is booked.
@@ -356,31 +379,80 @@ impl Daemon {
                     matched: routed,
                     indexed: routed,
                     tiers: Vec::new(),
+                    windows: [None; MAX_SLOTS],
                 }
             }
             Query::Blocks(keys) => {
                 if self.bookings.read().has_expired(now) {
                     self.bookings.write().expire(now);
                 }
-                let keys = || keys.iter().map(|k| k.0);
+                let keys: Vec<u64> = keys.iter().map(|k| k.0).collect();
+                // Replicas whose groups are not one full-attention group 0.
+                let special: Vec<(Slot, Arc<Rule>)> = self
+                    .endpoints
+                    .read()
+                    .iter()
+                    .map(|e| (e.slot, e.status.lock().rule.clone()))
+                    .filter(|(_, rule)| **rule != Rule::default())
+                    .collect();
                 let index = self.index.read();
-                let gpu = index.tier(GPU);
-                let indexed = longest_prefixes_by(keys(), &gpu);
                 let bookings = self.bookings.read();
-                let matched = if bookings.is_empty() {
-                    indexed
-                } else {
-                    longest_prefixes_by(keys(), |k| gpu(k) | bookings.holders(k))
-                };
+                let mut gpu = Walks::new(&keys, &index, &bookings, GPU);
+                let mut matched = gpu.depths(0, true);
+                let mut indexed = gpu.depths(0, false);
+                let mut windows = [None; MAX_SLOTS];
+                for (slot, rule) in &special {
+                    let n = slot.index();
+                    let (i, m) = match &**rule {
+                        Rule::Unsupported(_) => (0, 0),
+                        Rule::Prefix(full) => (gpu.depth(full, n, false), gpu.depth(full, n, true)),
+                        Rule::Hybrid {
+                            full,
+                            windows: groups,
+                        } => {
+                            let full_matched = gpu.depth(full, n, true);
+                            if let Some(w) = windows.get_mut(n) {
+                                *w = Some(Windows {
+                                    full: full_matched,
+                                    needed: groups.iter().map(|(_, k)| *k).max().unwrap_or(0),
+                                });
+                            }
+                            (
+                                hybrid_hit(gpu.depth(full, n, false), groups, gpu.held(n, false)),
+                                hybrid_hit(full_matched, groups, gpu.held(n, true)),
+                            )
+                        }
+                    };
+                    if let (Some(a), Some(b)) = (indexed.get_mut(n), matched.get_mut(n)) {
+                        (*a, *b) = (i, m);
+                    }
+                }
                 let tiers = index
                     .media()
                     .filter(|m| *m != GPU)
-                    .map(|m| (m.to_owned(), longest_prefixes_by(keys(), index.tier(m))))
+                    .map(|medium| {
+                        let mut tier = Walks::new(&keys, &index, &bookings, medium);
+                        let mut depths = tier.depths(0, false);
+                        for (slot, rule) in &special {
+                            let n = slot.index();
+                            let depth = match &**rule {
+                                Rule::Prefix(full) | Rule::Hybrid { full, .. } => {
+                                    tier.depth(full, n, false)
+                                }
+                                Rule::Unsupported(_) => 0,
+                            };
+                            if let Some(d) = depths.get_mut(n) {
+                                *d = depth;
+                            }
+                        }
+                        (medium.to_owned(), depths)
+                    })
                     .collect();
                 Matches {
                     matched,
                     indexed,
                     tiers,
+                    windows,
                 }
             }
         }
@@ -424,11 +496,13 @@ impl Daemon {
                 None => replicas.push(Replica {
                     record: stream,
                     best_slot: endpoint.slot,
+                    windows: matches.windows.get(slot).copied().flatten(),
                     model: status.model.clone(),
                 }),
                 Some(replica) => {
                     if stream.matched_blocks > replica.record.matched_blocks {
                         replica.best_slot = endpoint.slot;
+                        replica.windows = matches.windows.get(slot).copied().flatten();
                     }
                     replica.record.merge_rank(stream);
                 }
@@ -456,7 +530,24 @@ impl Daemon {
                 let ttl = booking
                     .ttl_ms
                     .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
-                if !self.bookings.write().book(slot, keys, now + ttl) {
+                // On a hybrid replica the request leaves the window before its end cached
+                // in the window groups, and the one before the point where its full-attention
+                // hit ended when that was not served (vLLM keeps that junction for the
+                // siblings to come).
+                let windows: Vec<std::ops::Range<usize>> = replica
+                    .windows
+                    .map(|w| {
+                        let end = keys.len();
+                        let junction = w.full as usize;
+                        let mut ranges = Vec::with_capacity(2);
+                        ranges.push(end.saturating_sub(w.needed)..end);
+                        if (record.matched_blocks as usize) < junction && junction < end {
+                            ranges.push(junction.saturating_sub(w.needed)..junction);
+                        }
+                        ranges
+                    })
+                    .unwrap_or_default();
+                if !self.bookings.write().book(slot, keys, &windows, now + ttl) {
                     self.metrics.bookings_refused.inc();
                 }
             }
@@ -471,5 +562,73 @@ impl Daemon {
         let booked = self.book(request, &ranking, now);
         self.metrics.count_lookup(ranking.reason);
         (ranking, booked)
+    }
+}
+
+/// One lookup's walks over one tier's groups, each group walked once however many
+/// replicas read it.
+struct Walks<'a> {
+    keys: &'a [u64],
+    index: &'a PrefixIndex,
+    bookings: &'a Bookings,
+    medium: &'a str,
+    /// (group, with bookings) -> leading blocks per slot.
+    done: Vec<((Group, bool), [u32; MAX_SLOTS])>,
+}
+
+impl<'a> Walks<'a> {
+    fn new(
+        keys: &'a [u64],
+        index: &'a PrefixIndex,
+        bookings: &'a Bookings,
+        medium: &'a str,
+    ) -> Self {
+        Self {
+            keys,
+            index,
+            bookings,
+            medium,
+            done: Vec::new(),
+        }
+    }
+
+    /// Every slot's leading blocks in `group`, bookings counted if `booked` (GPU only).
+    fn depths(&mut self, group: Group, booked: bool) -> [u32; MAX_SLOTS] {
+        let booked = booked && self.medium == GPU && !self.bookings.is_empty();
+        if let Some((_, depths)) = self.done.iter().find(|(k, _)| *k == (group, booked)) {
+            return *depths;
+        }
+        let tier = self.index.tier(self.medium, group);
+        let keys = self.keys.iter().copied();
+        let depths = if booked {
+            longest_prefixes_by(keys, |k| tier(k) | self.bookings.holders(k))
+        } else {
+            longest_prefixes_by(keys, tier)
+        };
+        self.done.push(((group, booked), depths));
+        depths
+    }
+
+    /// Slot `n`'s leading blocks held by every one of the `full` groups.
+    fn depth(&mut self, full: &[Group], n: usize, booked: bool) -> u32 {
+        full.iter()
+            .map(|&g| self.depths(g, booked).get(n).copied().unwrap_or(0))
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Whether slot `n` holds block `b` in window group `g` (its bookings' windows counted
+    /// if `booked`).
+    fn held(&self, n: usize, booked: bool) -> impl Fn(Group, usize) -> bool + '_ {
+        let bit = 1u64 << n;
+        move |group, block| {
+            self.keys.get(block).is_some_and(|&k| {
+                let mut holders = self.index.tier(self.medium, group)(k);
+                if booked {
+                    holders |= self.bookings.window_holders(k);
+                }
+                holders & bit != 0
+            })
+        }
     }
 }

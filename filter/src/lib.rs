@@ -148,7 +148,6 @@ impl RootContext for Root {
             started: None,
             mode: Mode::Precise,
             model: None,
-            servable_blocks: None,
             outcome: None,
         }))
     }
@@ -204,8 +203,6 @@ struct Request {
     started: Option<SystemTime>,
     mode: Mode,
     model: Option<String>,
-    /// The most blocks vLLM can serve this prompt from cache, once its tokens are known.
-    servable_blocks: Option<u64>,
     outcome: Option<Decision>,
 }
 
@@ -396,10 +393,7 @@ impl Request {
                 false
             }
             Step::LoadOnly => self.lookup(Query::Blocks(Vec::new())),
-            Step::Lookup(prompt) => {
-                self.servable_blocks = Some(prompt.servable_blocks);
-                self.lookup(Query::Blocks(prompt.keys))
-            }
+            Step::Lookup(prompt) => self.lookup(Query::Blocks(prompt.into_servable())),
             Step::Approximate(keys) => self.lookup(Query::Text(keys)),
             Step::Tokenize { path, body: call } => {
                 let gateway = self.gateway();
@@ -468,10 +462,7 @@ impl Request {
                 .ok()
         });
         match prompt {
-            Some(prompt) => {
-                self.servable_blocks = Some(prompt.servable_blocks);
-                self.lookup(Query::Blocks(prompt.keys))
-            }
+            Some(prompt) => self.lookup(Query::Blocks(prompt.into_servable())),
             None => self.approximate_fallback(api, &plan, &body),
         }
     }
@@ -512,10 +503,7 @@ impl Request {
                 self.stats.count(pick.reason);
                 self.outcome = Some(Decision {
                     endpoint: pick.endpoints.first().cloned(),
-                    // What vLLM will serve: the cache never covers the last prompt token.
-                    matched_blocks: self
-                        .servable_blocks
-                        .map_or(pick.matched_blocks, |most| pick.matched_blocks.min(most)),
+                    matched_blocks: pick.matched_blocks,
                     reason: pick.reason,
                     mode: self.mode,
                 });

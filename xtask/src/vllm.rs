@@ -55,6 +55,10 @@ pub struct ModelShape {
     kv_heads: u32,
     intermediate: u32,
     max_len: u32,
+    /// `qwen2`, or `gemma3` (sliding-window layers before one full-attention layer).
+    arch: &'static str,
+    /// The sliding window in tokens (`gemma3` only; 0 for none).
+    sliding_window: u32,
 }
 
 /// The tests' model: two layers, starts in about 30 s, prefill nearly free.
@@ -66,6 +70,23 @@ pub const TINY: ModelShape = ModelShape {
     kv_heads: 1,
     intermediate: 256,
     max_len: 40_960,
+    arch: "qwen2",
+    sliding_window: 0,
+};
+
+/// The hybrid-attention tests' model: the tiny shape as a Gemma 3 whose first layer keeps
+/// a 128-token sliding window and whose second attends to everything, so vLLM runs it
+/// with two KV-cache groups (GPT-OSS alternates windows of 128 the same way).
+pub const HYBRID: ModelShape = ModelShape {
+    name: "hybrid",
+    layers: 2,
+    hidden: 128,
+    heads: 2,
+    kv_heads: 1,
+    intermediate: 256,
+    max_len: 40_960,
+    arch: "gemma3",
+    sliding_window: 128,
 };
 
 /// The benchmarks' model: four layers, so that a cold 6.6k-token prefill costs many
@@ -78,6 +99,8 @@ pub const BENCH: ModelShape = ModelShape {
     kv_heads: 1,
     intermediate: 768,
     max_len: 16_384,
+    arch: "qwen2",
+    sliding_window: 0,
 };
 
 /// Runs one setup step, turning its failure into one line that names it.
@@ -233,7 +256,7 @@ pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> 
     let dir = home().join("models").join(shape.name);
     let source = sh::root().join("tests/vllm/model");
     let inputs = format!(
-        "{}\n{}\n{} {} {} {} {} {}\n",
+        "{}\n{}\n{} {} {} {} {} {} {} {}\n",
         std::fs::read_to_string(source.join("build.py"))?,
         std::fs::read_to_string(source.join("chat_template.jinja"))?,
         shape.layers,
@@ -241,7 +264,9 @@ pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> 
         shape.heads,
         shape.kv_heads,
         shape.intermediate,
-        shape.max_len
+        shape.max_len,
+        shape.arch,
+        shape.sliding_window
     );
     let stamp = dir.join(".kvaffine-built");
     if stamped(&stamp, &inputs) {
@@ -264,6 +289,8 @@ pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> 
                 .args(["--kv-heads", &shape.kv_heads.to_string()])
                 .args(["--intermediate", &shape.intermediate.to_string()])
                 .args(["--max-len", &shape.max_len.to_string()])
+                .args(["--arch", shape.arch])
+                .args(["--sliding-window", &shape.sliding_window.to_string()])
                 .env("HF_HUB_OFFLINE", "1"),
             &home().join(format!("model-{}.log", shape.name)),
         )
@@ -282,5 +309,6 @@ pub fn newest() -> anyhow::Result<String> {
 pub fn ensure_newest() -> anyhow::Result<()> {
     let venv = ensure(&newest()?)?;
     ensure_model(&venv, &TINY)?;
+    ensure_model(&venv, &HYBRID)?;
     Ok(())
 }

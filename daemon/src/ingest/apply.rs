@@ -13,7 +13,8 @@ use foldhash::fast::RandomState;
 use kvaffine_core::events::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKey, KvEvent};
 use kvaffine_core::{CacheSalt, Digest, KeyConfig, KeyExtras, LoraAdapter};
 
-use crate::index::{PrefixIndex, Slot};
+use crate::hybrid::Layout;
+use crate::index::{Group, PrefixIndex, Slot};
 
 /// How an endpoint's published hashes relate to kvaffine's keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +58,8 @@ pub struct ApplyReport {
     pub needs_resync: bool,
     /// A block size other than the daemon's, as the events report it.
     pub foreign_block_size: Option<u64>,
+    /// A store named a KV-cache group not seen before, or changed one.
+    pub layout_changed: bool,
 }
 
 /// Verify one in this many token-0 events once aligned, so a replica reconfigured under
@@ -69,8 +72,12 @@ pub struct Applier {
     keys: KeyConfig,
     lora_paths: Arc<HashMap<String, String>>,
     alignment: Alignment,
-    rekey: HashMap<u64, Digest, RandomState>,
+    /// Engine hash -> kvaffine's digest, and how many stored copies (in any group) still
+    /// name it: a block leaves the map when its last copy is removed, so a sliding-window
+    /// eviction does not orphan the blocks after it.
+    rekey: HashMap<u64, (Digest, u32), RandomState>,
     token0_events: u32,
+    layout: Layout,
 }
 
 impl Applier {
@@ -84,7 +91,13 @@ impl Applier {
             alignment: Alignment::Unknown,
             rekey: HashMap::default(),
             token0_events: 0,
+            layout: Layout::default(),
         }
+    }
+
+    /// The KV-cache groups the endpoint has published.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     /// The endpoint's detected mode.
@@ -97,17 +110,20 @@ impl Applier {
         self.rekey.len()
     }
 
-    /// Forgets the endpoint's translation state (its index entries are purged separately).
+    /// Forgets the endpoint's translation state and groups (its index entries are purged
+    /// separately): a restarted replica may serve another model.
     pub fn reset(&mut self) {
         self.rekey.clear();
+        self.layout = Layout::default();
     }
 
     /// Applies every event of `batch` in order.
     pub fn apply(&mut self, batch: &EventBatch, index: &mut PrefixIndex) -> ApplyReport {
         let mut report = ApplyReport::default();
+        let ahead = self.translations_ahead(batch);
         for event in &batch.events {
             match event {
-                KvEvent::BlockStored(stored) => self.stored(stored, index, &mut report),
+                KvEvent::BlockStored(stored) => self.stored(stored, &ahead, index, &mut report),
                 KvEvent::BlockRemoved(removed) => self.removed(removed, index, &mut report),
                 KvEvent::AllBlocksCleared => {
                     report.removed += index.purge(self.slot);
@@ -151,7 +167,7 @@ impl Applier {
     }
 
     /// Our digests of the event's blocks, when they can be computed.
-    fn digests_of(&self, event: &BlockStored) -> Option<Vec<Digest>> {
+    fn digests_of(&self, event: &BlockStored, ahead: &Ahead) -> Option<Vec<Digest>> {
         let block_size = self.keys.block_size();
         if event.block_size != block_size as u64
             || event.token_ids.len() != event.block_hashes.len() * block_size
@@ -161,19 +177,75 @@ impl Applier {
         let mut chain = match &event.parent_block_hash {
             None => self.keys.chain(&self.extras_of(event, true)?),
             Some(parent) => {
-                let parent = self.rekey.get(&parent.block_key().0)?;
+                let parent = self.translate(parent.block_key().0, ahead)?;
                 self.keys
-                    .chain_after(&self.extras_of(event, false)?, *parent)
+                    .chain_after(&self.extras_of(event, false)?, parent)
             }
         };
         chain.extend(&event.token_ids);
         Some(chain.into_digests())
     }
 
-    fn stored(&mut self, event: &BlockStored, index: &mut PrefixIndex, report: &mut ApplyReport) {
+    /// kvaffine's digest of an engine hash: from the blocks the endpoint holds, or from a
+    /// store later in the batch being applied.
+    fn translate(&self, engine: u64, ahead: &Ahead) -> Option<Digest> {
+        self.rekey
+            .get(&engine)
+            .map(|(digest, _)| *digest)
+            .or_else(|| ahead.get(&engine).copied())
+    }
+
+    /// A sliding-window group's store lists only the blocks it keeps, so a re-keyed
+    /// endpoint can translate its hashes only through the full-attention store of the same
+    /// blocks, which vLLM may publish after it in the same batch (Gemma 3's window group
+    /// is group 0). Such batches are translated ahead, without indexing anything.
+    fn translations_ahead(&self, batch: &EventBatch) -> Ahead {
+        let mut ahead = Ahead::default();
+        let sparse =
+            |s: &BlockStored| s.token_ids.len() != s.block_hashes.len() * self.keys.block_size();
+        let needed = self.alignment == Alignment::Rekeyed
+            && batch.events.iter().any(|e| match e {
+                KvEvent::BlockStored(s) => sparse(s),
+                _ => false,
+            });
+        if !needed {
+            return ahead;
+        }
+        for event in &batch.events {
+            if let KvEvent::BlockStored(s) = event {
+                if sparse(s) {
+                    continue;
+                }
+                if let Some(digests) = self.digests_of(s, &ahead) {
+                    for (engine, digest) in s.block_hashes.iter().zip(digests) {
+                        ahead.insert(engine.block_key().0, digest);
+                    }
+                }
+            }
+        }
+        ahead
+    }
+
+    fn stored(
+        &mut self,
+        event: &BlockStored,
+        ahead: &Ahead,
+        index: &mut PrefixIndex,
+        report: &mut ApplyReport,
+    ) {
         if event.block_size != self.keys.block_size() as u64 {
             report.foreign_block_size = Some(event.block_size);
         }
+        let Some(group) = group_of(event.group_idx) else {
+            report.orphans += event.block_hashes.len();
+            return;
+        };
+        report.layout_changed |= self.layout.learn(
+            group,
+            event.kv_cache_spec_kind.as_deref(),
+            event.kv_cache_spec_sliding_window,
+            event.block_size,
+        );
         let medium = event.medium.as_deref().unwrap_or(crate::index::GPU);
         if event.parent_block_hash.is_none() && self.alignment != Alignment::Rekeyed {
             self.check_alignment(event, index, report);
@@ -183,21 +255,31 @@ impl Applier {
         }
         let published: Vec<u64> = event.block_hashes.iter().map(|h| h.block_key().0).collect();
         if self.alignment != Alignment::Rekeyed {
-            let outcome = index.store(self.slot, medium, &published);
+            let outcome = index.store(self.slot, medium, group, &published);
             report.stored += outcome.added;
             report.dropped += outcome.dropped;
             report.stored_keys.extend_from_slice(&published);
             return;
         }
-        let Some(digests) = self.digests_of(event) else {
+        let digests = if event.token_ids.len() == published.len() * self.keys.block_size() {
+            self.digests_of(event, ahead)
+        } else {
+            // A window group's store: only the blocks it keeps, named by the hashes the
+            // full-attention groups gave them.
+            published
+                .iter()
+                .map(|engine| self.translate(*engine, ahead))
+                .collect()
+        };
+        let Some(digests) = digests else {
             report.orphans += event.block_hashes.len();
             return;
         };
         let keys: Vec<u64> = digests.iter().map(|d| d.block_key().0).collect();
         for (engine, digest) in published.iter().zip(&digests) {
-            self.rekey.insert(*engine, *digest);
+            self.rekey.entry(*engine).or_insert((*digest, 0)).1 += 1;
         }
-        let outcome = index.store(self.slot, medium, &keys);
+        let outcome = index.store(self.slot, medium, group, &keys);
         report.stored += outcome.added;
         report.dropped += outcome.dropped;
         report.stored_keys.extend_from_slice(&keys);
@@ -213,7 +295,7 @@ impl Applier {
         if self.alignment == Alignment::Aligned && self.token0_events % SPOT_CHECK_EVERY != 0 {
             return;
         }
-        let Some(digests) = self.digests_of(event) else {
+        let Some(digests) = self.digests_of(event, &Ahead::default()) else {
             return;
         };
         let matches = digests
@@ -238,17 +320,42 @@ impl Applier {
 
     fn removed(&mut self, event: &BlockRemoved, index: &mut PrefixIndex, report: &mut ApplyReport) {
         let medium = event.medium.as_deref().unwrap_or(crate::index::GPU);
+        let Some(group) = group_of(event.group_idx) else {
+            return;
+        };
         let keys: Vec<u64> = match self.alignment {
             Alignment::Rekeyed => event
                 .block_hashes
                 .iter()
-                .filter_map(|h| self.rekey.remove(&h.block_key().0))
-                .map(|d| d.block_key().0)
+                .filter_map(|h| self.release(h.block_key().0))
                 .collect(),
             Alignment::Unknown | Alignment::Aligned => {
                 event.block_hashes.iter().map(|h| h.block_key().0).collect()
             }
         };
-        report.removed += index.remove(self.slot, medium, &keys);
+        report.removed += index.remove(self.slot, medium, group, &keys);
     }
+
+    /// One stored copy of `engine` is gone: its key, forgotten with its last copy.
+    fn release(&mut self, engine: u64) -> Option<u64> {
+        let std::collections::hash_map::Entry::Occupied(mut entry) = self.rekey.entry(engine)
+        else {
+            return None;
+        };
+        let (digest, copies) = entry.get_mut();
+        let key = digest.block_key().0;
+        *copies -= 1;
+        if *copies == 0 {
+            entry.remove();
+        }
+        Some(key)
+    }
+}
+
+/// Translations of engine hashes computed ahead for one batch.
+type Ahead = HashMap<u64, Digest, RandomState>;
+
+/// The index group an event names; `None` for a number no group can have.
+fn group_of(group_idx: Option<i64>) -> Option<Group> {
+    group_idx.map_or(Some(0), |g| Group::try_from(g).ok())
 }

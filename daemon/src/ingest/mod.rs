@@ -16,6 +16,7 @@ use tracing::{debug, error, info, warn};
 pub use apply::{Alignment, Applier, ApplyReport};
 pub use sequencer::{Action, Sequencer};
 
+use crate::hybrid::{Layout, Rule};
 use crate::metrics::EventLabel;
 use crate::state::{Daemon, Endpoint};
 
@@ -372,6 +373,10 @@ impl Follower<'_> {
         self.daemon.bookings.write().forget_slot(slot);
         self.daemon.backlogs.lock().forget_slot(slot);
         self.applier.reset();
+        let mut status = self.endpoint.status.lock();
+        status.kv_cache_groups = Layout::default();
+        status.kv_cache_unsupported = None;
+        status.rule = Arc::default();
     }
 
     /// Decodes and applies one batch; returns follow-up actions when it must resync.
@@ -480,6 +485,28 @@ impl Follower<'_> {
         status.last_event_lag_ms = Some(lag * 1e3);
         status.alignment = after.as_str();
         status.rekey_entries = self.applier.rekey_entries();
+        if report.layout_changed {
+            let layout = self.applier.layout().clone();
+            let rule = layout.rule(self.daemon.settings.keys.block_size() as u64);
+            let unsupported = match &rule {
+                Rule::Unsupported(why) => Some(why.clone()),
+                Rule::Prefix(_) | Rule::Hybrid { .. } => None,
+            };
+            match (&rule, &unsupported) {
+                (_, Some(why)) if status.kv_cache_unsupported.as_ref() != Some(why) => {
+                    error!(endpoint = %label.endpoint, "{why}");
+                }
+                (Rule::Hybrid { .. }, _) => info!(
+                    endpoint = %label.endpoint,
+                    groups = %serde_json::to_string(&layout).unwrap_or_default(),
+                    "hybrid attention: a hit needs every sliding-window group's window before it"
+                ),
+                _ => {}
+            }
+            status.kv_cache_groups = layout;
+            status.kv_cache_unsupported = unsupported;
+            status.rule = Arc::new(rule);
+        }
         if let Some(size) = report.foreign_block_size {
             let reason = format!(
                 "events report block size {size}, the daemon runs with {}",

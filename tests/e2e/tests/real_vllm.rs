@@ -38,6 +38,11 @@ enum Pair {
     Pickle,
     /// Room for 64 blocks each, so that routing meets real evictions.
     Small,
+    /// A Gemma 3 with a sliding-window and a full-attention KV-cache group, in a cache
+    /// small enough to evict.
+    Hybrid,
+    /// The same, hashing with vLLM's default pickle `sha256`.
+    HybridPickle,
 }
 
 impl Pair {
@@ -53,6 +58,19 @@ impl Pair {
                 // vLLM refuses a model length its cache cannot hold (64 x 32, less one
                 // reserved block).
                 max_model_len: 62 * BLOCK,
+                ..VllmSpec::default()
+            },
+            Self::Hybrid | Self::HybridPickle => VllmSpec {
+                model: "hybrid".to_owned(),
+                // Each token block takes a block in each of the two groups.
+                extra_args: vec!["--num-gpu-blocks-override".into(), "320".into()],
+                max_model_len: 128 * BLOCK,
+                hash_algo: if self == Self::Hybrid {
+                    "sha256_cbor"
+                } else {
+                    "sha256"
+                }
+                .to_owned(),
                 ..VllmSpec::default()
             },
         };
@@ -96,7 +114,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     // (name, pair, check, in the routing subset that older versions run in CI)
-    let checks: [(&str, Pair, Check, bool); 18] = [
+    let checks: [(&str, Pair, Check, bool); 21] = [
         (
             "events_and_replay_are_read_in_their_layout",
             Pair::Cbor,
@@ -204,6 +222,24 @@ fn main() -> std::process::ExitCode {
             Pair::Small,
             eviction_pressure,
             true,
+        ),
+        (
+            "hybrid_attention_predictions_are_what_vllm_serves",
+            Pair::Hybrid,
+            hybrid_predictions,
+            false,
+        ),
+        (
+            "the_hybrid_emulator_serves_what_vllm_serves",
+            Pair::Hybrid,
+            hybrid_emulator_agrees,
+            false,
+        ),
+        (
+            "hybrid_attention_pickle_rekeyed_predictions_are_what_vllm_serves",
+            Pair::HybridPickle,
+            hybrid_predictions,
+            false,
         ),
     ];
     // `KVAFFINE_VLLM_CHECKS=routing` (an older version in `cargo xtask test`) runs the
@@ -1805,4 +1841,310 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     }
     eprintln!("replica going away: {}", report.join("; "));
     Ok(())
+}
+
+/// On a hybrid-attention model (a tiny Gemma 3: a 128-token sliding-window group and a
+/// full-attention group), what kvaffine predicts is what vLLM serves, step after step:
+/// siblings branching off a shared prefix (full attention holds it, no window ends at the
+/// branch), a later sibling (vLLM kept the junction), a prompt sent again, a continuation
+/// over a kept answer, eviction, and a replica restart. Every step waits until kvaffined
+/// has applied everything both replicas published, then compares.
+fn hybrid_predictions(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let events: Vec<Events> = replicas
+        .iter()
+        .map(Events::follow)
+        .collect::<anyhow::Result<_>>()?;
+    let router = router_for(replicas[0].version())?;
+    let completion =
+        |prompt: &[u32]| json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1});
+    let settle_all = |replicas: &[VllmProcess]| -> anyhow::Result<usize> {
+        let mut removed = 0;
+        for (replica, events) in replicas.iter().zip(&events) {
+            removed += settle(&stack, replica, events)?;
+        }
+        Ok(removed)
+    };
+    // What kvaffined predicts for `prompt` on `endpoint`, from the keys the filter sends.
+    let predicted_on = |prompt: &[u32], endpoint: &str| -> anyhow::Result<u64> {
+        let Action::Lookup(keys) = plan::plan(
+            &router,
+            Api::Completions,
+            Mode::Precise,
+            completion(prompt).to_string().as_bytes(),
+        )
+        .action
+        else {
+            anyhow::bail!("a token prompt is keyed without tokenizing");
+        };
+        let keys: Vec<u64> = keys.into_servable().iter().map(|k| k.0).collect();
+        let lookup = json!({"blocks": keys, "candidates": 4}).to_string();
+        let answer = send(
+            &stack.daemon_addr,
+            "POST",
+            "/v2/lookup",
+            &[("content-type", "application/json")],
+            lookup.as_bytes(),
+        );
+        Ok(answer.json()["candidates"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["endpoint"] == endpoint)
+            .and_then(|c| c["matched_blocks"].as_u64())
+            .unwrap_or(0))
+    };
+    let mut steps: Vec<String> = Vec::new();
+    let mut exact = |what: &str, predicted: u64, cached: u64| -> anyhow::Result<()> {
+        steps.push(format!("{what}: {cached}"));
+        ensure(predicted * BLOCK as u64 == cached, || {
+            format!(
+                "{what}: kvaffine predicted {predicted} blocks, vLLM served {cached} tokens (steps so far: {steps:?})"
+            )
+        })
+    };
+    let routed = |body: &Value| -> anyhow::Result<Reply> {
+        ok(post_json(&stack.gateway, "/v1/completions", body), "routed")
+    };
+    let base = std::process::id() as usize * 31;
+    let shared = token_prompt(base, 47 * BLOCK + 11);
+    let with_tail = |seed: usize| {
+        let mut prompt = shared.clone();
+        prompt.extend(token_prompt(seed, 300));
+        prompt
+    };
+
+    // Turn A through the gateway: cold.
+    let a = with_tail(base + 1);
+    let first = routed(&completion(&a))?;
+    exact("turn A", matched(&first)?, chat_cached(&first))?;
+    let warm = served_by(&first);
+    let holder = replicas
+        .iter()
+        .position(|r| r.http == warm)
+        .ok_or_else(|| anyhow::anyhow!("{warm} is not a replica"))?;
+    settle_all(replicas)?;
+
+    // Sibling B straight to A's replica: its full-attention group holds the 47 shared
+    // blocks, but no window ends there, so vLLM serves none of them.
+    let b = with_tail(base + 2);
+    let predicted = predicted_on(&b, &warm)?;
+    let (status, answer) = replicas[holder].post("/v1/completions", &completion(&b));
+    ensure(status == 200, || format!("sibling B: {status} {answer}"))?;
+    let cached = answer
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    exact("sibling B, straight to the replica", predicted, cached)?;
+    ensure(cached == 0, || {
+        format!("sibling B was served {cached} tokens: the hybrid case did not arise")
+    })?;
+    settle_all(replicas)?;
+
+    // Sibling C through the gateway: vLLM kept the junction B's miss revealed.
+    let c = with_tail(base + 3);
+    let third = routed(&completion(&c))?;
+    exact("sibling C", matched(&third)?, chat_cached(&third))?;
+    ensure(chat_cached(&third) == 47 * BLOCK as u64, || {
+        format!(
+            "sibling C was served {} tokens, not the 47 shared blocks (from {})",
+            chat_cached(&third),
+            served_by(&third)
+        )
+    })?;
+    settle_all(replicas)?;
+
+    // A sent again.
+    let again = routed(&completion(&a))?;
+    exact("turn A again", matched(&again)?, chat_cached(&again))?;
+    ensure(chat_cached(&again) > 0, || {
+        "turn A again: no hit".to_owned()
+    })?;
+
+    // A chat continuation over a kept answer: generated blocks live in full attention only.
+    let salt = salt("hybrid", 0);
+    let chat_one = ok(
+        post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &chat_first(base, &salt),
+        ),
+        "chat turn 1",
+    )?;
+    settle_all(replicas)?;
+    let mut follow_up = chat_pair(base, &salt, &chat_one);
+    follow_up["max_tokens"] = json!(40);
+    let chat_two = ok(
+        post_json(&stack.gateway, "/v1/chat/completions", &follow_up),
+        "chat turn 2",
+    )?;
+    exact("chat turn 2", matched(&chat_two)?, chat_cached(&chat_two))?;
+    settle_all(replicas)?;
+    let mut messages = follow_up["messages"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    messages.push(json!({"role": "assistant", "content": chat_two.json()["choices"][0]["message"]["content"]}));
+    messages.push(json!({"role": "user", "content": prose(base + 9, 30)}));
+    let chat_three = ok(
+        post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 4, "cache_salt": salt}),
+        ),
+        "chat turn 3",
+    )?;
+    exact(
+        "chat turn 3",
+        matched(&chat_three)?,
+        chat_cached(&chat_three),
+    )?;
+    ensure(chat_cached(&chat_three) > 0, || {
+        "chat turn 3: no hit".to_owned()
+    })?;
+
+    // Eviction under growing pressure (the cache holds 320 blocks across both groups):
+    // round r sends r + 1 prompts of 40 blocks straight to A's replica, then A again
+    // (vLLM evicts window blocks first; A's own re-send stores it again).
+    let mut removed = 0;
+    let mut last = again;
+    for round in 0..6 {
+        for _ in 0..=round {
+            let flood = completion(&unique_prompt(40 * BLOCK));
+            let (status, answer) = replicas[holder].post("/v1/completions", &flood);
+            ensure(status == 200, || format!("flood: {status} {answer}"))?;
+        }
+        removed += settle_all(replicas)?;
+        last = routed(&completion(&a))?;
+        exact(
+            &format!("turn A under pressure, round {round}"),
+            matched(&last)?,
+            chat_cached(&last),
+        )?;
+        settle_all(replicas)?;
+    }
+    ensure(removed > 0, || "the pressure evicted nothing".to_owned())?;
+
+    // `kvaffined check` names both groups from the replica's buffered events, and finds
+    // nothing it cannot follow.
+    let out = std::process::Command::new(vllm_emu::harness::binary("kvaffined"))
+        .args([
+            "check",
+            "--endpoint",
+            &replicas[holder].http,
+            "--block-size",
+        ])
+        .arg(BLOCK.to_string())
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    // (A pickle-hashing replica is flagged for its hash, and for nothing else.)
+    let problems = text.lines().filter(|l| l.contains("PROBLEM:"));
+    ensure(
+        problems.clone().all(|l| l.contains("pickle"))
+            && out.status.success() == (problems.count() == 0)
+            && text.contains("KV-cache group 0: sliding_window (window 128 tokens)")
+            && text.contains("KV-cache group 1: full_attention")
+            && text.contains("hybrid attention"),
+        || {
+            format!(
+                "kvaffined check on the hybrid replica said:\n{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        },
+    )?;
+
+    // A restart empties its cache; A again (wherever it goes) is predicted exactly.
+    let restarted = replicas
+        .iter()
+        .position(|r| r.http == served_by(&last))
+        .unwrap_or(holder);
+    replicas[restarted].restart()?;
+    let endpoint = replicas[restarted].http.clone();
+    poll(
+        "kvaffined to purge the restarted replica",
+        Duration::from_secs(30),
+        || predicted_on(&a, &endpoint).is_ok_and(|p| p == 0),
+    )?;
+    let events = Events::follow(&replicas[restarted])?;
+    settle(&stack, &replicas[restarted], &events)?;
+    let after = routed(&completion(&a))?;
+    exact(
+        "turn A after a restart",
+        matched(&after)?,
+        chat_cached(&after),
+    )?;
+    eprintln!("hybrid steps (tokens vLLM served): {steps:?}");
+    Ok(())
+}
+
+/// The emulator's hybrid model (`--sliding-window 128`, the same cache size) serves what
+/// real vLLM serves on the same sequence of requests, from an empty cache: a first
+/// prompt, siblings branching off it, the prompt again, a continuation, and growing
+/// pressure. Both are asked straight, so only the engines are compared.
+fn hybrid_emulator_agrees(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let replica = &replicas[0];
+    let (status, answer) = replica.post("/reset_prefix_cache", &json!({}));
+    ensure(status == 200, || {
+        format!("reset_prefix_cache: {status} {answer}")
+    })?;
+    let blocks = "320";
+    let emu = vllm_emu::harness::EmuProcess::start(&[
+        "--block-size",
+        &BLOCK.to_string(),
+        "--num-gpu-blocks",
+        blocks,
+        "--sliding-window",
+        "128",
+        "--time-scale",
+        "0",
+        "--model",
+        SERVED_MODEL,
+    ]);
+    let base = std::process::id() as usize * 37;
+    let shared = token_prompt(base, 47 * BLOCK + 11);
+    let with_tail = |seed: usize, tokens: usize| {
+        let mut prompt = shared.clone();
+        prompt.extend(token_prompt(seed, tokens));
+        prompt
+    };
+    let a = with_tail(base + 1, 300);
+    let mut continuation = a.clone();
+    continuation.extend(token_prompt(base + 5, 200));
+    let mut sequence = vec![
+        ("turn A", a.clone()),
+        ("sibling B", with_tail(base + 2, 300)),
+        ("sibling C", with_tail(base + 3, 250)),
+        ("turn A again", a.clone()),
+        ("A continued", continuation),
+        ("sibling D", with_tail(base + 4, 100)),
+    ];
+    for round in 0..6 {
+        for i in 0..=round {
+            sequence.push(("pressure", unique_prompt(40 * BLOCK + i)));
+        }
+        sequence.push(("turn A under pressure", a.clone()));
+    }
+    let cached = |(status, answer): (u16, Value), what: &str| -> anyhow::Result<u64> {
+        ensure(status == 200, || format!("{what}: {status} {answer}"))?;
+        Ok(answer
+            .pointer("/usage/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0))
+    };
+    let mut served = Vec::new();
+    for (what, prompt) in &sequence {
+        let body = json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1});
+        let real = cached(replica.post("/v1/completions", &body), what)?;
+        let emulated = cached(emu.post("/v1/completions", &body), what)?;
+        served.push((*what, real, emulated));
+    }
+    eprintln!("hybrid emulator against vLLM (step, vLLM, emulator): {served:?}");
+    ensure(
+        served.iter().all(|(_, real, emulated)| real == emulated),
+        || {
+            format!(
+                "the emulator and vLLM served different hits (step, vLLM, emulator): {served:?}"
+            )
+        },
+    )
 }

@@ -157,6 +157,18 @@ impl Engine {
         }
     }
 
+    /// The same engine serving a hybrid-attention model: a sliding-window group of
+    /// `window` tokens beside full attention (see [`PrefixCache::with_window`]).
+    pub fn with_sliding_window(mut self, window: u64) -> Self {
+        let state = self.state.get_mut();
+        let cache = std::mem::replace(
+            &mut state.cache,
+            PrefixCache::new(0, self.keys.block_size(), EngineHashMode::Keys),
+        );
+        state.cache = cache.with_window(window);
+        self
+    }
+
     /// The key configuration the cache keys blocks with.
     pub fn keys(&self) -> &KeyConfig {
         &self.keys
@@ -301,7 +313,7 @@ impl Engine {
         let block_size = self.keys.block_size();
         let digests = self.digests(tokens, extras);
         let hit_cap = tokens.len().saturating_sub(1) / block_size;
-        self.state.lock().cache.cached_prefix(&digests).min(hit_cap) * block_size
+        self.state.lock().cache.hit(&digests, hit_cap) * block_size
     }
 
     /// `POST /reset_prefix_cache`; false while requests run.

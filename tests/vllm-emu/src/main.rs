@@ -99,6 +99,11 @@ struct Args {
     /// Keep responses for `previous_response_id` (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1).
     #[arg(long)]
     enable_responses_store: bool,
+    /// Serve a hybrid-attention model: a sliding-window KV-cache group of this many tokens
+    /// (group 0) beside the full-attention one (group 1), as vLLM 0.32 serves Gemma 3.
+    /// 0: one full-attention group.
+    #[arg(long, default_value_t = 0)]
+    sliding_window: u64,
 }
 
 fn parse_lora(text: &str) -> Result<(String, String), String> {
@@ -251,6 +256,11 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         args.lora_modules.iter().cloned().collect::<HashMap<_, _>>(),
         engine_tx,
     );
+    let engine = if args.sliding_window > 0 {
+        engine.with_sliding_window(args.sliding_window)
+    } else {
+        engine
+    };
     let sources = json!({"0": {
         "enable_kv_cache_events": true, "publisher": "zmq",
         "endpoint": events_endpoint, "replay_endpoint": replay_endpoint,

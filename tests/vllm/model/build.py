@@ -1,4 +1,6 @@
-"""Builds a dummy-weight Qwen2 model directory that real vLLM serves offline.
+"""Builds a dummy-weight model directory that real vLLM serves offline: a Qwen2, or with
+`--arch gemma3` a Gemma 3 text model whose layers alternate sliding-window and full
+attention (vLLM serves it with two KV-cache groups), both with the same tokenizer.
 
 vLLM with `--load-format dummy` needs only `config.json` and a tokenizer. The tokenizer is
 Qwen's real byte-level BPE, rebuilt as a Hugging Face `tokenizer.json` from the
@@ -7,7 +9,7 @@ template is `chat_template.jinja` beside this file. The build checks itself: the
 tokenizer must give the package's own ids on a sample, or it fails.
 
 Run with the vLLM venv's python: build.py OUT_DIR --layers N --hidden N --heads N
---kv-heads N --intermediate N --max-len N
+--kv-heads N --intermediate N --max-len N [--arch gemma3 --sliding-window N]
 """
 
 import argparse
@@ -87,10 +89,20 @@ def main() -> None:
     parser.add_argument("out", type=pathlib.Path)
     for flag in ["layers", "hidden", "heads", "kv-heads", "intermediate", "max-len"]:
         parser.add_argument(f"--{flag}", type=int, required=True)
+    parser.add_argument("--arch", choices=["qwen2", "gemma3"], default="qwen2")
+    parser.add_argument("--sliding-window", type=int, default=0)
     args = parser.parse_args()
     out: pathlib.Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    config = {
+    config = qwen2_config(args) if args.arch == "qwen2" else gemma3_config(args)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(out, args)
+    check(out)
+    print(f"model ready: {out}")
+
+
+def qwen2_config(args) -> dict:
+    return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "hidden_size": args.hidden,
@@ -113,7 +125,45 @@ def main() -> None:
         # Without it, transformers suspects a local tokenizer of Mistral's old regex bug.
         "transformers_version": "5.19.0",
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def gemma3_config(args) -> dict:
+    if args.sliding_window <= 0:
+        sys.exit("--arch gemma3 needs --sliding-window")
+    # Sliding-window layers first, as Gemma 3 orders them, and at least one of each.
+    layer_types = ["sliding_attention"] * (args.layers - 1) + ["full_attention"]
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden // args.heads,
+        "query_pre_attn_scalar": args.hidden // args.heads,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": args.max_len,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        "sliding_window": args.sliding_window,
+        "layer_types": layer_types,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": FIRST_SPECIAL,
+        "eos_token_id": FIRST_SPECIAL + 2,
+        "pad_token_id": FIRST_SPECIAL,
+        "transformers_version": "5.19.0",
+    }
+
+
+def write_tokenizer(out: pathlib.Path, args) -> None:
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": FIRST_SPECIAL, "eos_token_id": [FIRST_SPECIAL + 2, FIRST_SPECIAL],
     }))
@@ -130,8 +180,6 @@ def main() -> None:
         "clean_up_tokenization_spaces": False,
         "chat_template": template,
     }, indent=2))
-    check(out)
-    print(f"model ready: {out}")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,20 @@ pub enum ResponsesTokenize {
     Render,
 }
 
+/// How chat bodies are tokenized.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChatTokenize {
+    /// `POST /tokenize` with the messages: vLLM renders them with the model's chat
+    /// template, as it does for chat completions of most models.
+    #[default]
+    Tokenize,
+    /// `POST /v1/chat/completions/render` (vLLM with `--enable-scale-out`): the renderer chat
+    /// completions use. Needed for GPT-OSS, whose chats vLLM 0.32 renders with harmony while
+    /// its `/tokenize` applies the chat template.
+    Render,
+}
+
 fn default_paths() -> Vec<String> {
     ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
         .map(str::to_owned)
@@ -124,6 +138,9 @@ pub struct RoutingConfig {
     /// How Responses bodies are tokenized.
     #[serde(default)]
     pub responses_tokenize: ResponsesTokenize,
+    /// How chat bodies are tokenized.
+    #[serde(default)]
+    pub chat_tokenize: ChatTokenize,
     /// LoRA adapters: model name -> adapter path as the replicas load it.
     #[serde(default)]
     pub loras: HashMap<String, String>,

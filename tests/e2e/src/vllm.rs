@@ -259,6 +259,11 @@ impl VllmProcess {
         home().join(&self.spec.version)
     }
 
+    /// Its model directory's name under `.venv-vllm/models`.
+    pub fn model(&self) -> &str {
+        &self.spec.model
+    }
+
     /// Its vLLM version.
     pub fn version(&self) -> &str {
         &self.spec.version
@@ -318,8 +323,14 @@ impl VllmProcess {
                     .render_endpoints
                     .then_some("--enable-scale-out"),
             )
-            // Tools with `tool_choice: auto` (chat's default) need a parser; Qwen's format.
-            .args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+            // Tools with `tool_choice: auto` (chat's default) need a parser: Qwen's format,
+            // or harmony's for GPT-OSS (vLLM refuses another beside its harmony renderer).
+            .args(["--enable-auto-tool-choice", "--tool-call-parser"])
+            .arg(if self.spec.model == "gpt-oss" {
+                "openai"
+            } else {
+                "hermes"
+            })
             .arg("--kv-events-config")
             .arg(events_config.to_string())
             .args(&self.spec.extra_args)
@@ -331,6 +342,8 @@ impl VllmProcess {
             .env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             .env("VLLM_SERVER_DEV_MODE", "1")
             .env("HF_HUB_OFFLINE", "1")
+            // GPT-OSS's harmony renderer loads o200k_base from here (`cargo xtask` puts it).
+            .env("TIKTOKEN_ENCODINGS_BASE", home().join("encodings"))
             .env("VLLM_NO_USAGE_STATS", "1")
             .env("DO_NOT_TRACK", "1")
             .env_remove("PYTHONHASHSEED")

@@ -43,6 +43,9 @@ enum Pair {
     Hybrid,
     /// The same, hashing with vLLM's default pickle `sha256`.
     HybridPickle,
+    /// A GPT-OSS (its harmony vocabulary, a 128-token window every other layer, experts),
+    /// 320 blocks each.
+    GptOss,
 }
 
 impl Pair {
@@ -60,15 +63,20 @@ impl Pair {
                 max_model_len: 62 * BLOCK,
                 ..VllmSpec::default()
             },
-            Self::Hybrid | Self::HybridPickle => VllmSpec {
-                model: "hybrid".to_owned(),
+            Self::Hybrid | Self::HybridPickle | Self::GptOss => VllmSpec {
+                model: if self == Self::GptOss {
+                    "gpt-oss"
+                } else {
+                    "hybrid"
+                }
+                .to_owned(),
                 // Each token block takes a block in each of the two groups.
                 extra_args: vec!["--num-gpu-blocks-override".into(), "320".into()],
                 max_model_len: 128 * BLOCK,
-                hash_algo: if self == Self::Hybrid {
-                    "sha256_cbor"
-                } else {
+                hash_algo: if self == Self::HybridPickle {
                     "sha256"
+                } else {
+                    "sha256_cbor"
                 }
                 .to_owned(),
                 ..VllmSpec::default()
@@ -114,7 +122,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     // (name, pair, check, in the routing subset that older versions run in CI)
-    let checks: [(&str, Pair, Check, bool); 21] = [
+    let checks: [(&str, Pair, Check, bool); 23] = [
         (
             "events_and_replay_are_read_in_their_layout",
             Pair::Cbor,
@@ -236,6 +244,18 @@ fn main() -> std::process::ExitCode {
             false,
         ),
         (
+            "gpt_oss_chats_are_keyed_as_vllm_renders_them",
+            Pair::GptOss,
+            gpt_oss_rendering,
+            false,
+        ),
+        (
+            "gpt_oss_predictions_are_what_vllm_serves",
+            Pair::GptOss,
+            hybrid_predictions,
+            false,
+        ),
+        (
             "hybrid_attention_pickle_rekeyed_predictions_are_what_vllm_serves",
             Pair::HybridPickle,
             hybrid_predictions,
@@ -341,13 +361,14 @@ fn event_encoding(payload: &[u8]) -> anyhow::Result<&'static str> {
 
 // ---- the stack and requests ----
 
-/// kvaffined and Envoy with the filter in front of `replicas`.
+/// kvaffined and Envoy with the filter in front of `replicas` (for GPT-OSS, chats keyed
+/// through vLLM's chat renderer: see [`gpt_oss_rendering`]).
 fn stack(replicas: &[VllmProcess]) -> anyhow::Result<Stack> {
-    kvaffine_e2e::vllm::front(
-        replicas,
-        TINY_PREFILL_TOKENS_PER_SECOND,
-        StackConfig::default(),
-    )
+    let mut config = StackConfig::default();
+    if replicas.first().is_some_and(|r| r.model() == "gpt-oss") {
+        config.filter = json!({"chat_tokenize": "render"});
+    }
+    kvaffine_e2e::vllm::front(replicas, TINY_PREFILL_TOKENS_PER_SECOND, config)
 }
 
 fn ensure(condition: bool, message: impl FnOnce() -> String) -> anyhow::Result<()> {
@@ -2147,4 +2168,64 @@ fn hybrid_emulator_agrees(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
             )
         },
     )
+}
+
+/// vLLM 0.32 renders a GPT-OSS chat with harmony (a system message naming the model and
+/// the date first), and its `/tokenize` applies the chat template instead: the tokens
+/// differ, so kvaffine keys GPT-OSS chats through `/v1/chat/completions/render`
+/// (`chat_tokenize: render`), whose tokens are the prompt the replica computes, checked
+/// here against the prompt length vLLM reports and the blocks it publishes.
+fn gpt_oss_rendering(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let replica = &replicas[0];
+    let events = Events::follow(replica)?;
+    let body = json!({"model": SERVED_MODEL, "max_tokens": 1, "messages": [
+        {"role": "system", "content": "You are a careful agent."},
+        {"role": "user", "content": prose(77, 200)}]});
+    let count = |path: &str, pointer: &str| -> anyhow::Result<Vec<u64>> {
+        let (status, answer) = replica.post(path, &body);
+        ensure(status == 200, || format!("{path}: {status} {answer}"))?;
+        Ok(answer
+            .pointer(pointer)
+            .and_then(Value::as_array)
+            .map(|ids| ids.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default())
+    };
+    let rendered = count("/v1/chat/completions/render", "/token_ids")?;
+    let tokenized = count("/tokenize", "/tokens")?;
+    let (status, answer) = replica.post("/v1/chat/completions", &body);
+    ensure(status == 200, || format!("chat: {status} {answer}"))?;
+    let prompt = answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    ensure(rendered.len() as u64 == prompt, || {
+        format!(
+            "the renderer gave {} tokens, the chat's prompt has {prompt}",
+            rendered.len()
+        )
+    })?;
+    ensure(tokenized != rendered, || {
+        "/tokenize now gives the rendered prompt: chat_tokenize: render is no longer needed for GPT-OSS".to_owned()
+    })?;
+    // The blocks the chat stored are the rendered tokens' blocks.
+    let stored = events.stored(prompt as usize / BLOCK)?;
+    let router = router_for(replica.version())?;
+    let keys = PromptKeys::of(
+        &router,
+        &kvaffine_core::KeyExtras::default(),
+        &rendered.iter().map(|&t| t as u32).collect::<Vec<_>>(),
+        None,
+    );
+    ensure(
+        keys.keys.iter().all(|k| stored.contains(&k.0)) && !keys.keys.is_empty(),
+        || {
+            format!(
+                "the rendered tokens' keys {:?} are not the blocks vLLM stored: {stored:?}",
+                keys.keys
+            )
+        },
+    )?;
+    eprintln!(
+        "GPT-OSS chat: rendered {} tokens (the prompt), /tokenize {}",
+        rendered.len(),
+        tokenized.len()
+    );
+    Ok(())
 }

@@ -42,44 +42,72 @@ def frozen(value):
 
 
 class Replica:
-    """One replica's blocks: hash -> (parent, content), and (parent, content) -> hash."""
+    """One replica's blocks: the physical copies each KV-cache group holds of each hash, and
+    which content (parent and tokens) each hash names.
+
+    A hybrid-attention model (GPT-OSS, Gemma 3) publishes a group per attention type: a
+    prompt is served the longest prefix its full-attention groups hold, cut back to the
+    last point where each sliding-window group holds the ceil((window - 1) / block_size)
+    blocks before it (or a shorter run from block 0), as vLLM 0.32's hybrid coordinator
+    serves it. A window group's store lists only the blocks it keeps; their hashes are the
+    full-attention group's for the same blocks.
+    """
 
     def __init__(self, name, block_size):
         self.name = name
         self.block_size = block_size
-        self.blocks = {}
-        self.children = {}
+        self.copies = {}  # group -> {hash: copies}
+        self.windows = {}  # window group -> blocks needed before a hit point
+        self.children = {}  # content -> hash
         self.ready = False
         self.unfilled_gaps = 0
         self.last_seq = -1
 
     def apply(self, payload):
-        for event in DECODER.decode(payload).events:
+        events = DECODER.decode(payload).events
+        for event in events:
+            # Window stores name blocks whose content only a full store says, possibly
+            # later in the same batch: learn every full store's contents first.
+            if isinstance(event, BlockStored) and self.full_store(event):
+                self.learn(event)
+        for event in events:
             if isinstance(event, BlockStored):
                 self.stored(event)
             elif isinstance(event, BlockRemoved):
+                held = self.copies.setdefault(event.group_idx or 0, {})
                 for block in event.block_hashes:
-                    entry = self.blocks.pop(block, None)
-                    if entry is not None:
-                        self.children.pop(entry, None)
+                    if held.get(block, 0) > 1:
+                        held[block] -= 1
+                    else:
+                        held.pop(block, None)
             elif isinstance(event, AllBlocksCleared):
-                self.blocks.clear()
-                self.children.clear()
+                self.copies.clear()
 
-    def stored(self, event):
+    def full_store(self, event):
+        return len(event.token_ids) == len(event.block_hashes) * event.block_size
+
+    def learn(self, event):
         parent = event.parent_block_hash
         extra = event.extra_keys or [None] * len(event.block_hashes)
         size = event.block_size
         for i, block in enumerate(event.block_hashes):
             tokens = tuple(event.token_ids[i * size : (i + 1) * size])
             content = (parent, tokens, frozen(extra[i]) if i < len(extra) else None)
-            self.blocks[block] = content
             self.children[content] = block
             parent = block
 
+    def stored(self, event):
+        group = event.group_idx or 0
+        if event.kv_cache_spec_kind == "sliding_window":
+            window = event.kv_cache_spec_sliding_window or 0
+            self.windows[group] = -(-(window - 1) // event.block_size)
+        held = self.copies.setdefault(group, {})
+        for block in event.block_hashes:
+            held[block] = held.get(block, 0) + 1
+
     def cached_tokens(self, token_ids, salt):
         size = self.block_size
-        parent, held = None, 0
+        parent, chain = None, []
         servable = max(len(token_ids) - 1, 0) // size
         for i in range(servable):
             extra = (salt,) if (i == 0 and salt) else None
@@ -87,8 +115,24 @@ class Replica:
             block = self.children.get(content)
             if block is None:
                 break
-            held, parent = held + 1, block
-        return held * size
+            chain.append(block)
+            parent = block
+        full = [g for g in self.copies if g not in self.windows] or [0]
+        hit = 0
+        while hit < len(chain) and all(self.copies.get(g, {}).get(chain[hit]) for g in full):
+            hit += 1
+        while self.windows:
+            before = hit
+            for group, needed in self.windows.items():
+                held = self.copies.get(group, {})
+                hit = next(
+                    (end for end in range(hit, 0, -1)
+                     if all(held.get(b) for b in chain[max(end - needed, 0):end])),
+                    0,
+                )
+            if hit == before or hit == 0:
+                break
+        return hit * size
 
 
 def follow(replica, events_url, replay_url, lock):
@@ -170,7 +214,7 @@ def main():
                 ready = all(r.ready for r in replicas)
                 body = {
                     r.name: {
-                        "blocks": len(r.blocks),
+                        "blocks": sum(len(held) for held in r.copies.values()),
                         "unfilled_gaps": r.unfilled_gaps,
                         "last_seq": r.last_seq,
                     }

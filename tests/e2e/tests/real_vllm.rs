@@ -2101,13 +2101,18 @@ fn hybrid_predictions(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
 /// The emulator's hybrid model (`--sliding-window 128`, the same cache size) serves what
 /// real vLLM serves on the same sequence of requests, from an empty cache: a first
 /// prompt, siblings branching off it, the prompt again, a continuation, and growing
-/// pressure. Both are asked straight, so only the engines are compared.
+/// pressure; and before each request the benchmarks' oracle, caught up with the replica's
+/// events, says what vLLM then serves. Both engines are asked straight, so only they are
+/// compared (each request after a one-block marker, sent to both, which the oracle waits
+/// for).
 fn hybrid_emulator_agrees(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
-    let replica = &replicas[0];
-    let (status, answer) = replica.post("/reset_prefix_cache", &json!({}));
+    let (status, answer) = replicas[0].post("/reset_prefix_cache", &json!({}));
     ensure(status == 200, || {
         format!("reset_prefix_cache: {status} {answer}")
     })?;
+    let oracle = OracleProcess::start(&replicas[..1])?;
+    let replica = &replicas[0];
+    let events = Events::follow(replica)?;
     let blocks = "320";
     let emu = vllm_emu::harness::EmuProcess::start(&[
         "--block-size",
@@ -2154,17 +2159,43 @@ fn hybrid_emulator_agrees(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     };
     let mut served = Vec::new();
     for (what, prompt) in &sequence {
+        let marker = unique_prompt(BLOCK + 1);
+        let body = json!({"model": SERVED_MODEL, "prompt": marker, "max_tokens": 1});
+        cached(emu.post("/v1/completions", &body), "marker")?;
+        cached(replica.post("/v1/completions", &body), "marker")?;
+        let (seq, _) = events.until_stored(&marker[..BLOCK])?;
+        let caught_up = || {
+            let (_, text) = vllm_emu::harness::http(&oracle.addr, "GET", "/ready", "");
+            serde_json::from_str::<Value>(&text)
+                .ok()
+                .and_then(|v| v[replica.http.as_str()]["last_seq"].as_u64())
+                .is_some_and(|last| last >= seq)
+        };
+        poll(
+            "the oracle to apply the marker",
+            Duration::from_secs(10),
+            caught_up,
+        )?;
+        let query = json!({"token_ids": prompt, "cache_salt": null});
+        let (_, said) =
+            vllm_emu::harness::http(&oracle.addr, "POST", "/cached", &query.to_string());
+        let said = serde_json::from_str::<Value>(&said)
+            .ok()
+            .and_then(|v| v["cached_tokens"][replica.http.as_str()].as_u64())
+            .ok_or_else(|| anyhow::anyhow!("the oracle's answer: {said}"))?;
         let body = json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1});
         let real = cached(replica.post("/v1/completions", &body), what)?;
         let emulated = cached(emu.post("/v1/completions", &body), what)?;
-        served.push((*what, real, emulated));
+        served.push((*what, real, emulated, said));
     }
-    eprintln!("hybrid emulator against vLLM (step, vLLM, emulator): {served:?}");
+    eprintln!("hybrid model (step, vLLM, emulator, oracle): {served:?}");
     ensure(
-        served.iter().all(|(_, real, emulated)| real == emulated),
+        served
+            .iter()
+            .all(|(_, real, emulated, said)| real == emulated && real == said),
         || {
             format!(
-                "the emulator and vLLM served different hits (step, vLLM, emulator): {served:?}"
+                "vLLM, the emulator and the oracle disagree (step, vLLM, emulator, oracle): {served:?}"
             )
         },
     )

@@ -92,6 +92,8 @@ pub struct Holding {
     pub partial: bool,
     /// Blocks allocated for its prefill and not yet cached.
     pub reserved: usize,
+    /// Window-group blocks its prefill holds until it is done (hybrid models).
+    transient: usize,
     /// Window-group blocks it holds (hybrid models), and their copies.
     windows: Vec<(Digest, u64)>,
     /// Leading blocks the full-attention group held when it was admitted.
@@ -293,7 +295,11 @@ impl PrefixCache {
         let hits = self.hit(digests, hit_cap);
         let new_blocks = digests.len() - hits;
         let windows = self.window.as_ref().map_or(0, |w| w.needed);
-        let need = new_blocks + 1 + windows;
+        // A prefill computes every new token's sliding-window KV in one step: the window
+        // group holds a block per new block until the step is done, then keeps only its
+        // window (vLLM frees the rest after the step).
+        let transient = if self.window.is_some() { new_blocks } else { 0 };
+        let need = new_blocks + transient + 1 + windows;
         let keep = digests.get(..hits).unwrap_or(&[]);
         while self.capacity.saturating_sub(self.in_use()) < need {
             if !self.evict_one(keep) {
@@ -303,7 +309,8 @@ impl PrefixCache {
         holding.full_hit = self.cached_prefix(digests).min(hit_cap);
         self.take_prefix(digests, holding.blocks.len(), hits, holding);
         holding.reserved = new_blocks;
-        self.reserved += new_blocks;
+        holding.transient = transient;
+        self.reserved += new_blocks + transient;
         self.partials += 1;
         holding.partial = true;
         Ok(hits)
@@ -359,8 +366,8 @@ impl PrefixCache {
         extras: &KeyExtras,
         holding: &mut Holding,
     ) {
-        self.reserved -= holding.reserved;
-        holding.reserved = 0;
+        self.reserved -= holding.reserved + holding.transient;
+        (holding.reserved, holding.transient) = (0, 0);
         let from = holding.blocks.len();
         self.store_windows(tokens, digests, from, extras, holding);
         self.store(tokens, digests, from, extras, holding);
@@ -535,7 +542,7 @@ impl PrefixCache {
     /// The request finished: its blocks become evictable, window blocks first, then the
     /// full-attention ones tail first.
     pub fn release(&mut self, holding: Holding) {
-        self.reserved -= holding.reserved;
+        self.reserved -= holding.reserved + holding.transient;
         if holding.partial {
             self.partials = self.partials.saturating_sub(1);
         }

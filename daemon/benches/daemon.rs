@@ -19,6 +19,7 @@ use kvaffine_core::events::{
 use kvaffine_core::protocol::{Booking, LookupRequest, Query};
 use kvaffine_core::{HashAlgo, KeyConfig, KeyExtras, VllmCompat};
 use kvaffined::config::Settings;
+use kvaffined::hybrid::Rule;
 use kvaffined::index::{GPU, PrefixIndex, Slot};
 use kvaffined::ingest::Applier;
 use kvaffined::metrics::EndpointLabel;
@@ -196,6 +197,49 @@ fn lookups(out: &mut String) {
         us(percentile(&times, 0.5)),
         us(percentile(&times, 0.99))
     ));
+    hybrid_lookups(&daemon, &chains, out);
+}
+
+/// The same endpoints as hybrid-attention replicas: every chain in a full-attention group
+/// 1, and in a sliding-window group 0 only the window before its end (2 blocks of 64, a
+/// 128-token window), as vLLM keeps it. A full hit finds the window at once; a sibling
+/// branching at block 64 scans back 64 blocks and finds none (vLLM serves it nothing).
+fn hybrid_lookups(daemon: &Daemon, chains: &[Vec<u64>], out: &mut String) {
+    {
+        let mut index = daemon.index.write();
+        for (c, chain) in chains.iter().enumerate() {
+            let slot = Slot::new(c % ENDPOINTS).unwrap();
+            index.store(slot, GPU, 1, chain);
+            index.store(slot, GPU, 0, &chain[KEYS_PER_LOOKUP - 2..]);
+        }
+    }
+    for endpoint in daemon.endpoints.read().iter() {
+        endpoint.status.lock().rule = Arc::new(Rule::Hybrid {
+            full: vec![1],
+            windows: vec![(0, 2)],
+        });
+    }
+    let mut row = |name: &str, make: &dyn Fn(usize) -> Vec<u64>| {
+        let mut times = Vec::new();
+        for i in 0..50_000 {
+            let request = lookup_of(&make(i), false);
+            let start = Instant::now();
+            std::hint::black_box(daemon.lookup(&request, Instant::now()));
+            times.push(start.elapsed());
+        }
+        times.sort();
+        out.push_str(&format!(
+            "| whole lookup answer, 8 hybrid endpoints, {name} | {:.2} us | {:.2} us |\n",
+            us(percentile(&times, 0.5)),
+            us(percentile(&times, 0.99))
+        ));
+    };
+    row("full hit", &|i| chains[i % chains.len()].clone());
+    row("sibling branching at block 64", &|i| {
+        let mut q = chains[i % chains.len()][..64].to_vec();
+        q.extend((0..64).map(|k| k as u64 ^ 0xabc));
+        q
+    });
 }
 
 /// Lookups per second from `callers` threads at once, each booking its pick if `book`, for

@@ -72,6 +72,8 @@ pub struct Metrics {
     pub alignment: Family<ModeLabel, Gauge>,
     /// 1 while the endpoint's settings do not match the daemon's.
     pub misconfigured: Family<EndpointLabel, Gauge>,
+    /// 1 while the endpoint's KV-cache groups are ones kvaffine cannot follow.
+    pub kv_cache_unsupported: Family<EndpointLabel, Gauge>,
     /// 1 while the endpoint's index is known to be incomplete.
     pub incomplete: Family<EndpointLabel, Gauge>,
     /// API requests refused for a missing or wrong bearer token.
@@ -102,6 +104,7 @@ impl Default for Metrics {
         let lookup_seconds = Histogram::new(exponential_buckets(0.000_002, 2.0, 16));
         let alignment = Family::<ModeLabel, Gauge>::default();
         let misconfigured = Family::<EndpointLabel, Gauge>::default();
+        let kv_cache_unsupported = Family::<EndpointLabel, Gauge>::default();
         let incomplete = Family::<EndpointLabel, Gauge>::default();
         let unauthorized = Counter::default();
         let lookups = Family::<ReasonLabel, Counter>::default();
@@ -189,6 +192,11 @@ impl Default for Metrics {
             misconfigured.clone(),
         );
         registry.register(
+            "endpoint_kv_cache_unsupported",
+            "1 while the endpoint's KV-cache groups are ones kvaffine cannot follow (its matches count as 0)",
+            kv_cache_unsupported.clone(),
+        );
+        registry.register(
             "endpoint_incomplete",
             "1 while the endpoint's index is known to be incomplete",
             incomplete.clone(),
@@ -214,6 +222,7 @@ impl Default for Metrics {
             lookup_seconds,
             alignment,
             misconfigured,
+            kv_cache_unsupported,
             incomplete,
             unauthorized,
             lookups,

@@ -241,6 +241,7 @@ impl Fleet {
         let metrics = &self.daemon.metrics;
         metrics.incomplete.remove(&endpoint.label);
         metrics.misconfigured.remove(&endpoint.label);
+        metrics.kv_cache_unsupported.remove(&endpoint.label);
     }
 }
 

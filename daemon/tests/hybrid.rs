@@ -226,4 +226,8 @@ fn an_unknown_group_kind_is_unsupported_and_predicts_nothing() {
     let why = daemon.endpoint_status(A)["kv_cache_unsupported"].clone();
     assert!(why.as_str().unwrap().contains("mamba"), "{why}");
     assert_eq!(daemon.matched(&keys(&a), A), 0);
+    assert_eq!(
+        daemon.metric("kvaffined_endpoint_kv_cache_unsupported{endpoint=\"127.0.0.1:1\"}"),
+        1.0
+    );
 }

@@ -147,19 +147,53 @@ pub fn daemon() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The reference two-replica measurement -> `docs/benchmarks/seed/`.
-pub fn seed(args: &[&str]) -> anyhow::Result<()> {
-    let (out, engine) = match args {
-        [] | ["--engine", "emu"] => ("docs/benchmarks/seed", "emu"),
-        ["--engine", "vllm"] => {
-            let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
-            crate::vllm::ensure_model(&venv, &crate::vllm::BENCH)?;
-            ("docs/benchmarks/seed-vllm", "vllm")
+/// `--engine emu|vllm` and `--model hybrid` from `args`, in any order.
+fn engine_and_model(args: &[&str], usage: &str) -> anyhow::Result<(&'static str, bool)> {
+    let (mut engine, mut hybrid) = ("emu", false);
+    for pair in args.chunks(2) {
+        match pair {
+            ["--engine", "emu"] => engine = "emu",
+            ["--engine", "vllm"] => engine = "vllm",
+            ["--model", "hybrid"] => hybrid = true,
+            _ => anyhow::bail!("usage: {usage}"),
         }
-        _ => anyhow::bail!("usage: cargo xtask bench seed [--engine emu|vllm]"),
+    }
+    Ok((engine, hybrid))
+}
+
+/// The real-vLLM benchmarks' model: [`crate::vllm::BENCH`], or its GPT-OSS-shaped
+/// variant for `--model hybrid`.
+fn ensure_bench_model(hybrid: bool) -> anyhow::Result<()> {
+    let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
+    let shape = if hybrid {
+        &crate::vllm::BENCH_HYBRID
+    } else {
+        &crate::vllm::BENCH
     };
-    let out = sh::root().join(out);
-    let summary = stack_bench(&["seed", &out.display().to_string(), engine])?;
+    crate::vllm::ensure_model(&venv, shape).map(drop)
+}
+
+/// The reference two-replica measurement -> `docs/benchmarks/seed/` (`-vllm` for real
+/// vLLM, `-hybrid` for the hybrid-attention model).
+pub fn seed(args: &[&str]) -> anyhow::Result<()> {
+    let (engine, hybrid) = engine_and_model(
+        args,
+        "cargo xtask bench seed [--engine emu|vllm] [--model hybrid]",
+    )?;
+    if engine == "vllm" {
+        ensure_bench_model(hybrid)?;
+    }
+    let out = sh::root().join(format!(
+        "docs/benchmarks/seed{}{}",
+        if engine == "vllm" { "-vllm" } else { "" },
+        if hybrid { "-hybrid" } else { "" }
+    ));
+    let out_arg = out.display().to_string();
+    let mut bench_args = vec!["seed", &out_arg, engine];
+    if hybrid {
+        bench_args.push("hybrid");
+    }
+    let summary = stack_bench(&bench_args)?;
     println!("{summary}");
     println!("wrote {}", out.display());
     Ok(())
@@ -193,10 +227,14 @@ pub fn peers(args: &[&str]) -> anyhow::Result<()> {
 /// (`--engine vllm`: on real vLLM beside the emulator at the same shapes ->
 /// `docs/benchmarks/scenarios-vllm/`).
 pub fn scenarios(args: &[&str]) -> anyhow::Result<()> {
-    match args {
-        [] | ["--engine", "emu"] => {}
-        ["--engine", "vllm"] => return scenarios_vllm(),
-        _ => anyhow::bail!("usage: cargo xtask bench scenarios [--engine emu|vllm]"),
+    let (engine, hybrid) = engine_and_model(
+        args,
+        "cargo xtask bench scenarios [--engine emu|vllm] [--model hybrid]",
+    )?;
+    match (engine, hybrid) {
+        ("vllm", _) => return scenarios_vllm(hybrid),
+        (_, true) => return scenarios_hybrid(),
+        _ => {}
     }
     let out = sh::root().join("docs/benchmarks/scenarios");
     let started = std::time::Instant::now();
@@ -213,13 +251,64 @@ pub fn scenarios(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn scenarios_vllm() -> anyhow::Result<()> {
-    let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
-    crate::vllm::ensure_model(&venv, &crate::vllm::BENCH)?;
-    let out = sh::root().join("docs/benchmarks/scenarios-vllm");
+/// The scenarios on emulated replicas serving GPT-OSS's attention layout ->
+/// `docs/benchmarks/scenarios-hybrid/`.
+fn scenarios_hybrid() -> anyhow::Result<()> {
+    let out = sh::root().join("docs/benchmarks/scenarios-hybrid");
     let started = std::time::Instant::now();
-    let tables = stack_bench(&["scenarios", &out.display().to_string(), "vllm"])?;
+    let table = stack_bench(&["scenarios", &out.display().to_string(), "emu", "hybrid"])?;
+    let md = include_str!("bench_scenarios_hybrid.md")
+        .replace("{{MACHINE}}", &machine())
+        .replace(
+            "{{MINUTES}}",
+            &format!("{:.1}", started.elapsed().as_secs_f64() / 60.0),
+        )
+        .replace("{{TABLE}}", &table);
+    write(&out.join("README.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+fn scenarios_vllm(hybrid: bool) -> anyhow::Result<()> {
+    ensure_bench_model(hybrid)?;
+    let out = sh::root().join(if hybrid {
+        "docs/benchmarks/scenarios-vllm-hybrid"
+    } else {
+        "docs/benchmarks/scenarios-vllm"
+    });
+    let started = std::time::Instant::now();
+    let out_arg = out.display().to_string();
+    let mut bench_args = vec!["scenarios", &out_arg, "vllm"];
+    if hybrid {
+        bench_args.push("hybrid");
+    }
+    let tables = stack_bench(&bench_args)?;
+    let pressure = if hybrid {
+        "`cache-pressure` gives each replica 256 blocks\n  (`--num-gpu-blocks-override`, 4,096 tokens in each of its two groups, as the emulator's\n  512 x 16 beside its single-group 256 x 16)"
+    } else {
+        "`cache-pressure` gives each replica 128 blocks\n  (`--num-gpu-blocks-override`, 4,096 tokens, as the emulator's 256 x 16)"
+    };
+    let (title, command, model, emulator) = if hybrid {
+        (
+            "Production scenarios on real vLLM, hybrid attention, beside the emulator",
+            "cargo xtask bench scenarios --engine vllm --model hybrid",
+            "the hybrid benchmark model (4 layers alternating a 128-token sliding window and\n  full attention, GPT-OSS's layout, as a Gemma 3 with hidden 256, dummy weights, one\n  thread each; vLLM runs it with two KV-cache groups)",
+            "two emulated replicas with `--sliding-window 128`",
+        )
+    } else {
+        (
+            "Production scenarios on real vLLM, beside the emulator",
+            "cargo xtask bench scenarios --engine vllm",
+            "the benchmark model (4 layers,\n  hidden 256, dummy weights, one thread each)",
+            "two emulated replicas",
+        )
+    };
     let md = include_str!("bench_scenarios_vllm.md")
+        .replace("{{TITLE}}", title)
+        .replace("{{COMMAND}}", command)
+        .replace("{{MODEL}}", model)
+        .replace("{{EMULATOR}}", emulator)
+        .replace("{{PRESSURE}}", pressure)
         .replace("{{MACHINE}}", &machine())
         .replace("{{VERSION}}", &crate::vllm::newest()?)
         .replace(

@@ -32,12 +32,13 @@ commands:
   bench filter [--engine emu|vllm]
                 latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
                 (real vLLM replicas and their /tokenize: docs/benchmarks/filter-vllm.md)
-  bench seed [--engine emu|vllm]
+  bench seed [--engine emu|vllm] [--model hybrid]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
-                (real vLLM: docs/benchmarks/seed-vllm/)
-  bench scenarios [--engine emu|vllm]
+                (real vLLM: docs/benchmarks/seed-vllm/; GPT-OSS's hybrid attention: -hybrid)
+  bench scenarios [--engine emu|vllm] [--model hybrid]
                 eight production scenarios x routing profiles -> docs/benchmarks/README.md
-                (real vLLM, beside the emulator at the same shapes: docs/benchmarks/scenarios-vllm/)
+                (real vLLM, beside the emulator at the same shapes: docs/benchmarks/scenarios-vllm/;
+                GPT-OSS's hybrid attention: docs/benchmarks/scenarios-hybrid/, scenarios-vllm-hybrid/)
   bench peers [--engine emu|vllm]
                 vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
                 (real vLLM: docs/benchmarks/peers-vllm/)

@@ -90,6 +90,21 @@ pub const HYBRID: ModelShape = ModelShape {
     sliding_window: 128,
 };
 
+/// The hybrid benchmark model: the benchmark shape with GPT-OSS's attention layout (a
+/// 128-token sliding window every other layer, full attention between), as a Gemma 3 with
+/// Qwen's tokenizer, so that only the attention layout differs from [`BENCH`].
+pub const BENCH_HYBRID: ModelShape = ModelShape {
+    name: "bench-hybrid",
+    layers: 4,
+    hidden: 256,
+    heads: 4,
+    kv_heads: 1,
+    intermediate: 768,
+    max_len: 16_384,
+    arch: "gemma3",
+    sliding_window: 128,
+};
+
 /// The GPT-OSS tests' model: the tiny shape with GPT-OSS's architecture (a 128-token
 /// sliding window every other layer, mixture-of-experts layers) and its 201,088-token
 /// harmony vocabulary, so that vLLM renders its chats with harmony as it does GPT-OSS-20B.

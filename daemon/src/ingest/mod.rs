@@ -375,7 +375,13 @@ impl Follower<'_> {
         self.applier.reset();
         let mut status = self.endpoint.status.lock();
         status.kv_cache_groups = Layout::default();
-        status.kv_cache_unsupported = None;
+        if status.kv_cache_unsupported.take().is_some() {
+            self.daemon
+                .metrics
+                .kv_cache_unsupported
+                .get_or_create(&self.endpoint.label)
+                .set(0);
+        }
         status.rule = Arc::default();
     }
 
@@ -503,6 +509,10 @@ impl Follower<'_> {
                 ),
                 _ => {}
             }
+            metrics
+                .kv_cache_unsupported
+                .get_or_create(label)
+                .set(i64::from(unsupported.is_some()));
             status.kv_cache_groups = layout;
             status.kv_cache_unsupported = unsupported;
             status.rule = Arc::new(rule);

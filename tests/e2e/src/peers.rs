@@ -309,7 +309,7 @@ fn served_since(replicas: &[String], before: &[u64]) -> Option<usize> {
 /// model), every router in front of the same replicas at once.
 pub fn seed(pairs: usize) -> anyhow::Result<Vec<SeedPair>> {
     let (words, pad) = crate::seed::calibrate()?;
-    let stack = crate::seed::reference_stack()?;
+    let stack = crate::seed::reference_stack(false)?;
     let peers: Vec<Option<PeerProcess>> = ARMS
         .iter()
         .map(|arm| PeerProcess::start(arm.router, &Worker::of(&stack), 64, "emu-model"))

@@ -256,6 +256,21 @@ pub struct Scenario {
     pub kv_tokens: Option<usize>,
 }
 
+/// `scenario` on emulated replicas serving GPT-OSS's attention layout: a sliding-window
+/// KV-cache group of [`crate::seed::HYBRID_WINDOW`] tokens beside full attention (real
+/// vLLM runs take the hybrid benchmark model instead). A limited cache gets twice the
+/// blocks: every token block takes one in each group while it is computed, and vLLM
+/// refuses a model length its cache cannot hold in both, so this keeps the
+/// full-attention group's room what the single-group run has.
+pub fn hybrid(mut scenario: Scenario) -> Scenario {
+    scenario.replica_args.extend([
+        "--sliding-window".to_owned(),
+        crate::seed::HYBRID_WINDOW.to_owned(),
+    ]);
+    scenario.kv_tokens = scenario.kv_tokens.map(|tokens| tokens * 2);
+    scenario
+}
+
 /// The replicas scenarios run on.
 pub enum Engine {
     /// Fresh vllm-emu replicas for every run, at time scale 0.2, with `block_size`-token

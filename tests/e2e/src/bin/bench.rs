@@ -22,21 +22,30 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(args: Vec<String>) -> anyhow::Result<()> {
+fn run(mut args: Vec<String>) -> anyhow::Result<()> {
+    // A trailing `hybrid`: the seed and scenario runs on a hybrid-attention model.
+    let hybrid = args.len() > 2 && args.last().is_some_and(|a| a == "hybrid");
+    if hybrid {
+        args.pop();
+    }
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
         Some("seed") => seed(
             args.get(1)
-                .context("usage: bench seed OUT_DIR [emu|vllm]")?,
+                .context("usage: bench seed OUT_DIR [emu|vllm] [hybrid]")?,
             args.get(2).map_or("emu", String::as_str),
+            hybrid,
         ),
         Some("load") => load(),
-        Some("scenarios") if args.get(2).is_some_and(|a| a == "vllm") => {
-            scenarios_vllm(args.get(1).context("usage: bench scenarios OUT_DIR vllm")?)
-        }
+        Some("scenarios") if args.get(2).is_some_and(|a| a == "vllm") => scenarios_vllm(
+            args.get(1)
+                .context("usage: bench scenarios OUT_DIR vllm [hybrid]")?,
+            hybrid,
+        ),
         Some("scenarios") => scenarios(
             args.get(1).context("usage: bench scenarios OUT_DIR")?,
-            args.get(2),
+            args.get(2).filter(|a| *a != "emu"),
+            hybrid,
         ),
         Some("ingest") => ingest(),
         Some("overload") => overload(),
@@ -56,7 +65,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] | scenarios OUT_DIR [NAME|vllm] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -357,21 +366,26 @@ fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn seed(out: &str, engine: &str) -> anyhow::Result<()> {
+fn seed(out: &str, engine: &str, hybrid: bool) -> anyhow::Result<()> {
     let (command, (pairs, tokens, replicas)) = match engine {
-        "emu" => ("cargo xtask bench seed", kvaffine_e2e::seed::run()?),
+        "emu" => ("cargo xtask bench seed", kvaffine_e2e::seed::run(hybrid)?),
         "vllm" => (
             "cargo xtask bench seed --engine vllm",
-            kvaffine_e2e::seed::run_vllm()?,
+            kvaffine_e2e::seed::run_vllm(hybrid)?,
         ),
         other => bail!("unknown engine {other:?}"),
+    };
+    let command = if hybrid {
+        format!("{command} --model hybrid")
+    } else {
+        command.to_owned()
     };
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
     kvaffine_e2e::seed::write(
         std::path::Path::new(out),
         &pairs,
         tokens,
-        command,
+        &command,
         &machine,
         replicas,
     )?;
@@ -806,22 +820,30 @@ fn ingest() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `bench scenarios OUT_DIR [NAME]`: every scenario (or one) under every profile.
-fn scenarios(out: &str, only: Option<&String>) -> anyhow::Result<()> {
+/// `bench scenarios OUT_DIR [NAME] [hybrid]`: every scenario (or one) under every
+/// profile (`hybrid`: on replicas serving GPT-OSS's attention layout).
+fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<()> {
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Profile, Run};
     let out = std::path::Path::new(out);
     std::fs::create_dir_all(out)?;
     let started = std::time::Instant::now();
     let mut runs: Vec<Run> = Vec::new();
     for scenario in scenarios::all() {
+        let scenario = if hybrid {
+            scenarios::hybrid(scenario)
+        } else {
+            scenario
+        };
         if only.is_some_and(|o| o != scenario.name) {
             continue;
         }
         eprintln!("scenario {} ...", scenario.name);
         if scenario.name == "event-lag" {
             for lag in [0u64, 100, 500, 2000] {
+                let mut replica_args = scenario.replica_args.clone();
+                replica_args.extend(["--event-lag-ms".into(), lag.to_string()]);
                 let lagged = scenarios::Scenario {
-                    replica_args: vec!["--event-lag-ms".into(), lag.to_string()],
+                    replica_args,
                     ..scenario
                 };
                 for (profile, variant) in [
@@ -931,7 +953,7 @@ fn scenario_table(
 /// replicas of the benchmark model (32-token blocks), then on two emulated replicas at the
 /// same shapes, side by side. Not here: event-lag (vLLM's event lag cannot be set) and
 /// replica-restart (a real replica takes ~30 s to come back, longer than the workload).
-fn scenarios_vllm(out: &str) -> anyhow::Result<()> {
+fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Run};
     use kvaffine_e2e::vllm::{BENCH_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
     const BLOCK: usize = 32;
@@ -942,6 +964,7 @@ fn scenarios_vllm(out: &str) -> anyhow::Result<()> {
         .into_iter()
         .filter(|s| !matches!(s.name, "event-lag" | "replica-restart"))
         .map(|s| scenarios::Scenario { replicas: 2, ..s })
+        .map(|s| if hybrid { scenarios::hybrid(s) } else { s })
         .collect();
     let (mut real, mut emulated): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
     for scenario in &chosen {
@@ -952,7 +975,7 @@ fn scenarios_vllm(out: &str) -> anyhow::Result<()> {
         };
         eprintln!("scenario {} on real vLLM ...", scenario.name);
         let mut spec = VllmSpec {
-            model: "bench".to_owned(),
+            model: if hybrid { "bench-hybrid" } else { "bench" }.to_owned(),
             block_size: BLOCK,
             max_model_len: 16_384,
             ..VllmSpec::default()
@@ -960,8 +983,9 @@ fn scenarios_vllm(out: &str) -> anyhow::Result<()> {
         if let Some(tokens) = scenario.kv_tokens {
             let blocks = tokens / BLOCK;
             spec.extra_args = vec!["--num-gpu-blocks-override".into(), blocks.to_string()];
-            // vLLM refuses a model length its cache cannot hold (less one reserved block).
-            spec.max_model_len = (blocks - 2) * BLOCK;
+            // vLLM refuses a model length its cache cannot hold (less one reserved block;
+            // a hybrid model holds it in each of its two groups).
+            spec.max_model_len = (blocks / if hybrid { 2 } else { 1 } - 2) * BLOCK;
         }
         let mut engine = Engine::Vllm {
             replicas: VllmProcess::start_all(&[spec.clone(), spec])?,

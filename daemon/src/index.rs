@@ -223,20 +223,21 @@ impl PrefixIndex {
         self.entries
     }
 
-    /// Bytes the tables hold: buckets times entry plus control byte (hashbrown's layout).
+    /// Bytes the tables hold: buckets times entry plus control byte (hashbrown's layout),
+    /// the copies side maps included.
     pub fn table_bytes(&self) -> usize {
+        fn bytes<K, V, S>(map: &HashMap<K, V, S>) -> usize {
+            let buckets = if map.capacity() == 0 {
+                0
+            } else {
+                (map.capacity() * 8 / 7).next_power_of_two()
+            };
+            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        }
         self.tiers
             .values()
             .flat_map(BTreeMap::values)
-            .map(|t| &t.holders)
-            .map(|h| {
-                let buckets = if h.capacity() == 0 {
-                    0
-                } else {
-                    (h.capacity() * 8 / 7).next_power_of_two()
-                };
-                buckets * (std::mem::size_of::<(u64, u64)>() + 1)
-            })
+            .map(|t| bytes(&t.holders) + bytes(&t.extra_copies))
             .sum()
     }
 }

@@ -74,7 +74,7 @@ class Replica:
             if isinstance(event, BlockStored):
                 self.stored(event)
             elif isinstance(event, BlockRemoved):
-                held = self.copies.setdefault(event.group_idx or 0, {})
+                held = self.copies.get(event.group_idx or 0, {})
                 for block in event.block_hashes:
                     if held.get(block, 0) > 1:
                         held[block] -= 1

@@ -300,15 +300,17 @@ pub fn ensure_model(venv: &Path, shape: &ModelShape) -> anyhow::Result<PathBuf> 
         shape.arch,
         shape.sliding_window
     );
-    let stamp = dir.join(".kvaffine-built");
-    if stamped(&stamp, &inputs) {
-        return Ok(dir);
-    }
+    // vLLM reads the ranks at run time too (harmony), so they are put back even when the
+    // model is built.
     let o200k = if shape.arch == "gpt_oss" {
         Some(step("o200k_base ranks", o200k_ranks)?)
     } else {
         None
     };
+    let stamp = dir.join(".kvaffine-built");
+    if stamped(&stamp, &inputs) {
+        return Ok(dir);
+    }
     eprintln!(
         "vLLM: building the {} model in {}",
         shape.name,
@@ -368,8 +370,15 @@ fn o200k_ranks() -> anyhow::Result<PathBuf> {
         .context("no crate directory")?
         .join("assets/o200k_base.tiktoken");
     let target = encodings().join("o200k_base.tiktoken");
-    std::fs::create_dir_all(encodings())?;
-    std::fs::copy(&source, &target).with_context(|| format!("copying {}", source.display()))?;
+    let same = |a: &Path, b: &Path| {
+        std::fs::read(a)
+            .ok()
+            .is_some_and(|a| std::fs::read(b).ok() == Some(a))
+    };
+    if !same(&source, &target) {
+        std::fs::create_dir_all(encodings())?;
+        std::fs::copy(&source, &target).with_context(|| format!("copying {}", source.display()))?;
+    }
     Ok(target)
 }
 

@@ -240,13 +240,16 @@ impl Applier {
             report.orphans += event.block_hashes.len();
             return;
         };
-        report.layout_changed |= self.layout.learn(
-            group,
-            event.kv_cache_spec_kind.as_deref(),
-            event.kv_cache_spec_sliding_window,
-            event.block_size,
-        );
         let medium = event.medium.as_deref().unwrap_or(crate::index::GPU);
+        // The groups are the GPU pool's; an offloading tier may store in other units.
+        if medium == crate::index::GPU {
+            report.layout_changed |= self.layout.learn(
+                group,
+                event.kv_cache_spec_kind.as_deref(),
+                event.kv_cache_spec_sliding_window,
+                event.block_size,
+            );
+        }
         if event.parent_block_hash.is_none() && self.alignment != Alignment::Rekeyed {
             self.check_alignment(event, index, report);
             if report.needs_resync {
@@ -261,22 +264,25 @@ impl Applier {
             report.stored_keys.extend_from_slice(&published);
             return;
         }
-        let digests = if event.token_ids.len() == published.len() * self.keys.block_size() {
-            self.digests_of(event, ahead)
-        } else {
-            // A window group's store: only the blocks it keeps, named by the hashes the
-            // full-attention groups gave them.
-            published
-                .iter()
-                .map(|engine| self.translate(*engine, ahead))
-                .collect()
-        };
-        let Some(digests) = digests else {
-            report.orphans += event.block_hashes.len();
-            return;
-        };
-        let keys: Vec<u64> = digests.iter().map(|d| d.block_key().0).collect();
-        for (engine, digest) in published.iter().zip(&digests) {
+        let translated: Vec<(u64, Digest)> =
+            if event.token_ids.len() == published.len() * self.keys.block_size() {
+                let Some(digests) = self.digests_of(event, ahead) else {
+                    report.orphans += event.block_hashes.len();
+                    return;
+                };
+                published.iter().copied().zip(digests).collect()
+            } else {
+                // A window group's store: only the blocks it keeps, named by the hashes the
+                // full-attention groups gave them; one that cannot be named is lost alone.
+                let named: Vec<(u64, Digest)> = published
+                    .iter()
+                    .filter_map(|&engine| Some((engine, self.translate(engine, ahead)?)))
+                    .collect();
+                report.orphans += published.len() - named.len();
+                named
+            };
+        let keys: Vec<u64> = translated.iter().map(|(_, d)| d.block_key().0).collect();
+        for (engine, digest) in &translated {
             self.rekey.entry(*engine).or_insert((*digest, 0)).1 += 1;
         }
         let outcome = index.store(self.slot, medium, group, &keys);

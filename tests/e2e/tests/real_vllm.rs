@@ -2024,6 +2024,30 @@ fn hybrid_predictions(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         "chat turn 3: no hit".to_owned()
     })?;
 
+    // A prompt of exactly 40 blocks: vLLM computes its last token, so it keeps the window
+    // before block 39 and serves 39 blocks of it again, and as much of a longer prompt
+    // that starts with it (its window ends where the servable blocks end).
+    let exactly = token_prompt(base + 7, 40 * BLOCK);
+    let mut longer = exactly.clone();
+    longer.extend(token_prompt(base + 8, 20));
+    for (what, prompt) in [
+        ("40 blocks", &exactly),
+        ("40 blocks again", &exactly),
+        ("40 blocks and 20 tokens", &longer),
+    ] {
+        let reply = routed(&completion(prompt))?;
+        exact(what, matched(&reply)?, chat_cached(&reply))?;
+        settle_all(replicas)?;
+        if what != "40 blocks" {
+            ensure(chat_cached(&reply) == 39 * BLOCK as u64, || {
+                format!(
+                    "{what}: vLLM served {} tokens, not 39 blocks",
+                    chat_cached(&reply)
+                )
+            })?;
+        }
+    }
+
     // Eviction under growing pressure (the cache holds 320 blocks across both groups):
     // round r sends r + 1 prompts of 40 blocks straight to A's replica, then A again
     // (vLLM evicts window blocks first; A's own re-send stores it again).

@@ -154,6 +154,16 @@ impl PrefixCache {
         self
     }
 
+    /// Blocks a prompt of `blocks` full blocks needs to be admitted into an empty cache:
+    /// its blocks and a partial one, and on a hybrid model a window block per block while
+    /// it is prefilled, and the window it keeps.
+    pub fn admission_need(&self, blocks: usize) -> usize {
+        match &self.window {
+            None => blocks + 1,
+            Some(window) => 2 * blocks + 1 + window.needed,
+        }
+    }
+
     /// The full-attention group's number in events: 1 beside a window group 0.
     fn full_group(&self) -> i64 {
         i64::from(self.window.is_some())

@@ -208,9 +208,10 @@ impl Engine {
     ) -> Result<Admission, EngineError> {
         let block_size = self.keys.block_size();
         let digests = self.digests(tokens, extras);
-        if digests.len() + 1 > self.capacity {
+        let need = self.state.lock().cache.admission_need(digests.len());
+        if need > self.capacity {
             return Err(EngineError::TooLong {
-                need: digests.len() + 1,
+                need,
                 capacity: self.capacity,
             });
         }

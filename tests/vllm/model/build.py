@@ -228,10 +228,11 @@ def o200k_encoding(ranks: pathlib.Path):
     import tiktoken_ext.openai_public  # noqa: F401  (registers the encodings)
 
     url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
-    cache = pathlib.Path(tempfile.mkdtemp())
-    shutil.copy(ranks, cache / hashlib.sha1(url.encode()).hexdigest())
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
-    return tiktoken.get_encoding("o200k_base")
+    with tempfile.TemporaryDirectory() as cache:
+        shutil.copy(ranks, pathlib.Path(cache) / hashlib.sha1(url.encode()).hexdigest())
+        os.environ["TIKTOKEN_CACHE_DIR"] = cache
+        # Read while the cache is there; tiktoken keeps the ranks in memory.
+        return tiktoken.get_encoding("o200k_base")
 
 
 def write_harmony_tokenizer(out: pathlib.Path, args) -> None:

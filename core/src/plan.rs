@@ -461,62 +461,51 @@ mod tests {
         assert!(a.keys.iter().zip(&b.keys).all(|(x, y)| x != y));
     }
 
+    /// The tokenizer call `config` plans for `body` in precise mode.
+    fn tokenize_call(config: &str, api: Api, body: &[u8]) -> (&'static str, Vec<u8>) {
+        match plan(&router(config), api, Mode::Precise, body).action {
+            Action::Tokenize { path, body } => (path, body),
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn responses_convert_or_render() {
         let body = br#"{"model":"m","instructions":"be brief","input":"hello"}"#;
-        let Action::Tokenize { path, body: call } = plan(
-            &router(r#"{"block_size":4}"#),
-            Api::Responses,
-            Mode::Precise,
-            body,
-        )
-        .action
-        else {
-            panic!()
-        };
+        let (path, call) = tokenize_call(r#"{"block_size":4}"#, Api::Responses, body);
         assert_eq!(path, "/tokenize");
         let call: Value = serde_json::from_slice(&call).unwrap();
         assert_eq!(
             call["messages"][0],
             json!({"role": "system", "content": "be brief"})
         );
-        let render = router(r#"{"block_size":4,"responses_tokenize":"render"}"#);
-        let Action::Tokenize { path, body: call } =
-            plan(&render, Api::Responses, render.config.mode, body).action
-        else {
-            panic!()
-        };
-        assert_eq!((path, call.as_slice()), ("/v1/responses/render", &body[..]));
+        let render = r#"{"block_size":4,"responses_tokenize":"render"}"#;
+        assert_eq!(
+            tokenize_call(render, Api::Responses, body),
+            ("/v1/responses/render", body.to_vec())
+        );
     }
 
     #[test]
     fn chat_tokenize_or_render() {
         let body =
             br#"{"model":"m","messages":[{"role":"user","content":"q"}],"reasoning_effort":"low"}"#;
-        let render = router(r#"{"block_size":4,"chat_tokenize":"render"}"#);
-        let Action::Tokenize { path, body: call } =
-            plan(&render, Api::ChatCompletions, Mode::Precise, body).action
-        else {
-            panic!()
-        };
+        let render = r#"{"block_size":4,"chat_tokenize":"render"}"#;
         assert_eq!(
-            (path, call.as_slice()),
-            ("/v1/chat/completions/render", &body[..]),
+            tokenize_call(render, Api::ChatCompletions, body),
+            ("/v1/chat/completions/render", body.to_vec()),
             "the body as sent: the renderer reads every chat field"
         );
-        let Action::Tokenize { path, .. } = plan(
-            &router(r#"{"block_size":4}"#),
-            Api::ChatCompletions,
-            Mode::Precise,
-            body,
-        )
-        .action
-        else {
-            panic!()
-        };
+        let (path, _) = tokenize_call(r#"{"block_size":4}"#, Api::ChatCompletions, body);
         assert_eq!(path, "/tokenize");
         assert!(matches!(
-            plan(&render, Api::ChatCompletions, Mode::Approximate, body).action,
+            plan(
+                &router(render),
+                Api::ChatCompletions,
+                Mode::Approximate,
+                body
+            )
+            .action,
             Action::Approximate(_)
         ));
     }

@@ -254,14 +254,7 @@ fn groups_of(endpoint: &str, sources: Option<&Value>) -> Result<Layout, String> 
                     kvaffine_core::events::decode_batch(payload).map_err(|e| e.to_string())?;
                 for event in &batch.events {
                     if let kvaffine_core::events::KvEvent::BlockStored(s) = event {
-                        let group = u32::try_from(s.group_idx.unwrap_or(0))
-                            .map_err(|_| format!("group_idx {:?}", s.group_idx))?;
-                        layout.learn(
-                            group,
-                            s.kv_cache_spec_kind.as_deref(),
-                            s.kv_cache_spec_sliding_window,
-                            s.block_size,
-                        );
+                        layout.learn_store(s);
                     }
                 }
             }

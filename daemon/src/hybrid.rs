@@ -9,9 +9,15 @@
 //! groups are learned from the events (`group_idx`, `kv_cache_spec_kind`,
 //! `kv_cache_spec_sliding_window`): vLLM's `cache_config_info` metric does not name them.
 
+use kvaffine_core::events::BlockStored;
 use serde::Serialize;
 
-use crate::index::Group;
+use crate::index::{GPU, Group};
+
+/// The index group an event names; `None` for a number no group can have.
+pub fn group_of(group_idx: Option<i64>) -> Option<Group> {
+    group_idx.map_or(Some(0), |g| Group::try_from(g).ok())
+}
 
 /// The event's name for a full-attention group.
 pub const FULL_ATTENTION: &str = "full_attention";
@@ -88,6 +94,21 @@ impl Layout {
                 self.0.insert(at, seen);
                 true
             }
+        }
+    }
+
+    /// Records the group a GPU-tier store names (an offloading tier may store in other
+    /// units); true if the layout changed.
+    pub fn learn_store(&mut self, event: &BlockStored) -> bool {
+        let gpu = event.medium.as_deref().unwrap_or(GPU) == GPU;
+        match group_of(event.group_idx) {
+            Some(group) if gpu => self.learn(
+                group,
+                event.kv_cache_spec_kind.as_deref(),
+                event.kv_cache_spec_sliding_window,
+                event.block_size,
+            ),
+            _ => false,
         }
     }
 

@@ -417,10 +417,14 @@ impl Daemon {
                                     needed: groups.iter().map(|(_, k)| *k).max().unwrap_or(0),
                                 });
                             }
-                            (
-                                hybrid_hit(gpu.depth(full, n, false), groups, gpu.held(n, false)),
-                                hybrid_hit(full_matched, groups, gpu.held(n, true)),
-                            )
+                            let indexed =
+                                hybrid_hit(gpu.depth(full, n, false), groups, gpu.held(n, false));
+                            let matched = if bookings.is_empty() {
+                                indexed
+                            } else {
+                                hybrid_hit(full_matched, groups, gpu.held(n, true))
+                            };
+                            (indexed, matched)
                         }
                     };
                     if let (Some(a), Some(b)) = (indexed.get_mut(n), matched.get_mut(n)) {

@@ -66,6 +66,22 @@ fn removed_from(
     })
 }
 
+/// One engine step's stores of `tokens[from_block..]`: the window group's (keeping the
+/// `kept` blocks) first, then full attention's, in one batch, as vLLM publishes them.
+fn step(
+    p: &EventPublisher,
+    tokens: &[u32],
+    from_block: usize,
+    kept: std::ops::Range<usize>,
+    hash: fn(&Digest) -> u64,
+) {
+    p.publish(&batch(vec![
+        window(tokens, from_block, kept, hash),
+        full(tokens, from_block, hash),
+    ]))
+    .unwrap();
+}
+
 /// `base`'s first `shared` blocks, then blocks of its own.
 fn branch(base: &[u32], shared: usize, seed: u32, blocks: usize) -> Vec<u32> {
     let mut tokens = base[..shared * BLOCK_SIZE].to_vec();
@@ -88,8 +104,7 @@ fn hits_follow_vllms_hybrid_rule(hash: fn(&Digest) -> u64) {
     let (p, daemon) = follow();
     let a = prompt(1, 12);
     // Turn A: a miss; vLLM keeps the window ending at the prompt's end.
-    p.publish(&batch(vec![window(&a, 0, 8..12, hash), full(&a, 0, hash)]))
-        .unwrap();
+    step(&p, &a, 0, 8..12, hash);
     wait_for("A's blocks", || daemon.matched(&keys(&a), A) == 12);
     let status = daemon.endpoint_status(A);
     assert_eq!(
@@ -106,8 +121,7 @@ fn hits_follow_vllms_hybrid_rule(hash: fn(&Digest) -> u64) {
     assert_eq!(daemon.matched(&keys(&b), A), 0);
     // vLLM recomputes B from block 0: its full-attention group stores the shared prefix
     // again, and its window group keeps the window before the junction and the end.
-    p.publish(&batch(vec![window(&b, 0, 6..14, hash), full(&b, 0, hash)]))
-        .unwrap();
+    step(&p, &b, 0, 6..14, hash);
     wait_for("B's blocks", || daemon.matched(&keys(&b), A) == 14);
     let c = branch(&a, 10, 3, 13);
     assert_eq!(
@@ -151,21 +165,13 @@ fn rekeyed_hybrid_hits_follow_vllms_rule() {
 fn a_window_eviction_does_not_orphan_a_rekeyed_continuation() {
     let (p, daemon) = follow();
     let a = prompt(4, 8);
-    p.publish(&batch(vec![
-        window(&a, 0, 4..8, opaque),
-        full(&a, 0, opaque),
-    ]))
-    .unwrap();
+    step(&p, &a, 0, 4..8, opaque);
     wait_for("A's blocks", || daemon.matched(&keys(&a), A) == 8);
     p.publish(&batch(vec![removed_from(0, &a, 7..8, opaque)]))
         .unwrap();
     let mut longer = a.clone();
     longer.extend(prompt(5, 4));
-    p.publish(&batch(vec![
-        window(&longer, 8, 8..12, opaque),
-        full(&longer, 8, opaque),
-    ]))
-    .unwrap();
+    step(&p, &longer, 8, 8..12, opaque);
     wait_for("the continuation", || {
         daemon.matched(&keys(&longer), A) == 12
     });
@@ -183,11 +189,7 @@ fn a_hybrid_booking_credits_only_the_window_its_request_leaves() {
     let (p, daemon) = follow();
     // The replica's groups are learned from its first store.
     let seen = prompt(6, 4);
-    p.publish(&batch(vec![
-        window(&seen, 0, 0..4, own),
-        full(&seen, 0, own),
-    ]))
-    .unwrap();
+    step(&p, &seen, 0, 0..4, own);
     wait_for("the groups", || daemon.matched(&keys(&seen), A) == 4);
     let d = prompt(7, 12);
     let body = json!({"keys": keys(&d), "book": {"ttl_ms": 60_000}}).to_string();

@@ -80,14 +80,9 @@ pub const TINY: ModelShape = ModelShape {
 /// with two KV-cache groups (GPT-OSS alternates windows of 128 the same way).
 pub const HYBRID: ModelShape = ModelShape {
     name: "hybrid",
-    layers: 2,
-    hidden: 128,
-    heads: 2,
-    kv_heads: 1,
-    intermediate: 256,
-    max_len: 40_960,
     arch: "gemma3",
     sliding_window: 128,
+    ..TINY
 };
 
 /// The hybrid benchmark model: the benchmark shape with GPT-OSS's attention layout (a
@@ -95,14 +90,9 @@ pub const HYBRID: ModelShape = ModelShape {
 /// Qwen's tokenizer, so that only the attention layout differs from [`BENCH`].
 pub const BENCH_HYBRID: ModelShape = ModelShape {
     name: "bench-hybrid",
-    layers: 4,
-    hidden: 256,
-    heads: 4,
-    kv_heads: 1,
-    intermediate: 768,
-    max_len: 16_384,
     arch: "gemma3",
     sliding_window: 128,
+    ..BENCH
 };
 
 /// The GPT-OSS tests' model: the tiny shape with GPT-OSS's architecture (a 128-token
@@ -110,14 +100,10 @@ pub const BENCH_HYBRID: ModelShape = ModelShape {
 /// harmony vocabulary, so that vLLM renders its chats with harmony as it does GPT-OSS-20B.
 pub const GPT_OSS: ModelShape = ModelShape {
     name: "gpt-oss",
-    layers: 2,
-    hidden: 128,
-    heads: 2,
-    kv_heads: 1,
     intermediate: 128,
-    max_len: 40_960,
     arch: "gpt_oss",
     sliding_window: 128,
+    ..TINY
 };
 
 /// The benchmarks' model: four layers, so that a cold 6.6k-token prefill costs many

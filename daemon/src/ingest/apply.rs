@@ -13,8 +13,8 @@ use foldhash::fast::RandomState;
 use kvaffine_core::events::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKey, KvEvent};
 use kvaffine_core::{CacheSalt, Digest, KeyConfig, KeyExtras, LoraAdapter};
 
-use crate::hybrid::Layout;
-use crate::index::{Group, PrefixIndex, Slot};
+use crate::hybrid::{Layout, group_of};
+use crate::index::{PrefixIndex, Slot};
 
 /// How an endpoint's published hashes relate to kvaffine's keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,15 +241,7 @@ impl Applier {
             return;
         };
         let medium = event.medium.as_deref().unwrap_or(crate::index::GPU);
-        // The groups are the GPU pool's; an offloading tier may store in other units.
-        if medium == crate::index::GPU {
-            report.layout_changed |= self.layout.learn(
-                group,
-                event.kv_cache_spec_kind.as_deref(),
-                event.kv_cache_spec_sliding_window,
-                event.block_size,
-            );
-        }
+        report.layout_changed |= self.layout.learn_store(event);
         if event.parent_block_hash.is_none() && self.alignment != Alignment::Rekeyed {
             self.check_alignment(event, index, report);
             if report.needs_resync {
@@ -360,8 +352,3 @@ impl Applier {
 
 /// Translations of engine hashes computed ahead for one batch.
 type Ahead = HashMap<u64, Digest, RandomState>;
-
-/// The index group an event names; `None` for a number no group can have.
-fn group_of(group_idx: Option<i64>) -> Option<Group> {
-    group_idx.map_or(Some(0), |g| Group::try_from(g).ok())
-}

@@ -556,6 +556,37 @@ impl OracleProcess {
         }
         Ok(oracle)
     }
+
+    /// Waits until it has applied `replica`'s batch `seq` (a marker the caller read off
+    /// the replica's own stream).
+    pub fn wait_applied(&self, replica: &VllmProcess, seq: u64) -> anyhow::Result<()> {
+        crate::poll(
+            "the oracle to apply the replica's events",
+            Duration::from_secs(10),
+            || {
+                let (_, text) = http(&self.addr, "GET", "/ready", "");
+                serde_json::from_str::<serde_json::Value>(&text)
+                    .ok()
+                    .and_then(|v| v[replica.http.as_str()]["last_seq"].as_u64())
+                    .is_some_and(|last| last >= seq)
+            },
+        )
+    }
+
+    /// The tokens it says `replica` would serve from cache for `token_ids` under `salt`.
+    pub fn cached(
+        &self,
+        replica: &VllmProcess,
+        token_ids: &serde_json::Value,
+        salt: &serde_json::Value,
+    ) -> anyhow::Result<u64> {
+        let query = serde_json::json!({"token_ids": token_ids, "cache_salt": salt});
+        let (_, said) = http(&self.addr, "POST", "/cached", &query.to_string());
+        serde_json::from_str::<serde_json::Value>(&said)
+            .ok()
+            .and_then(|v| v["cached_tokens"][replica.http.as_str()].as_u64())
+            .with_context(|| format!("the oracle's answer: {said}"))
+    }
 }
 
 impl Drop for OracleProcess {

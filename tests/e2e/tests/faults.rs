@@ -212,7 +212,8 @@ fn a_frozen_replicas_streamed_request_is_answered_by_the_next_ranked_one() {
 }
 
 /// A replica whose engine died while its HTTP server lives on (generation answers 500,
-/// `/health` 503, as vLLM's API server outlives its engine core for a while): a request
+/// `/health` 503: on vLLM 0.32.0, by its code, only until its launcher shuts the server
+/// down; the emulator holds the state for the test): a request
 /// pinned to it is retried on the next ranked replica, and once kvaffined's scrape has seen
 /// the failing health it stops pinning it, even for a prefix only it holds; revived, it is
 /// pinned again.

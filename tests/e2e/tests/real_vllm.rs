@@ -1186,28 +1186,10 @@ fn oracle_agrees(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         }
         for turn in 0..3 {
             let (seq, _) = publish_marker(replica, &events)?;
-            let caught_up = || {
-                let (_, text) = vllm_emu::harness::http(&oracle.addr, "GET", "/ready", "");
-                serde_json::from_str::<Value>(&text)
-                    .ok()
-                    .and_then(|v| v[replica.http.as_str()]["last_seq"].as_u64())
-                    .is_some_and(|last| last >= seq)
-            };
-            poll(
-                "the oracle to apply the replica's events",
-                Duration::from_secs(10),
-                caught_up,
-            )?;
+            oracle.wait_applied(replica, seq)?;
             let (status, rendered) = replica.post("/v1/chat/completions/render", &body);
             ensure(status == 200, || format!("render: {status} {rendered}"))?;
-            let query =
-                json!({"token_ids": rendered["token_ids"], "cache_salt": body["cache_salt"]});
-            let (_, said) =
-                vllm_emu::harness::http(&oracle.addr, "POST", "/cached", &query.to_string());
-            let said = serde_json::from_str::<Value>(&said)
-                .ok()
-                .and_then(|v| v["cached_tokens"][replica.http.as_str()].as_u64())
-                .ok_or_else(|| anyhow::anyhow!("the oracle's answer: {said}"))?;
+            let said = oracle.cached(replica, &rendered["token_ids"], &body["cache_salt"])?;
             let (status, answer) = replica.post("/v1/chat/completions", &body);
             ensure(status == 200, || format!("chat: {status} {answer}"))?;
             let served = answer
@@ -2188,31 +2170,25 @@ fn hybrid_emulator_agrees(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         cached(emu.post("/v1/completions", &body), "marker")?;
         cached(replica.post("/v1/completions", &body), "marker")?;
         let (seq, _) = events.until_stored(&marker[..BLOCK])?;
-        let caught_up = || {
-            let (_, text) = vllm_emu::harness::http(&oracle.addr, "GET", "/ready", "");
-            serde_json::from_str::<Value>(&text)
-                .ok()
-                .and_then(|v| v[replica.http.as_str()]["last_seq"].as_u64())
-                .is_some_and(|last| last >= seq)
-        };
-        poll(
-            "the oracle to apply the marker",
-            Duration::from_secs(10),
-            caught_up,
-        )?;
-        let query = json!({"token_ids": prompt, "cache_salt": null});
-        let (_, said) =
-            vllm_emu::harness::http(&oracle.addr, "POST", "/cached", &query.to_string());
-        let said = serde_json::from_str::<Value>(&said)
-            .ok()
-            .and_then(|v| v["cached_tokens"][replica.http.as_str()].as_u64())
-            .ok_or_else(|| anyhow::anyhow!("the oracle's answer: {said}"))?;
+        oracle.wait_applied(replica, seq)?;
+        let said = oracle.cached(replica, &json!(prompt), &Value::Null)?;
         let body = json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1});
         let real = cached(replica.post("/v1/completions", &body), what)?;
         let emulated = cached(emu.post("/v1/completions", &body), what)?;
         served.push((*what, real, emulated, said));
     }
     eprintln!("hybrid model (step, vLLM, emulator, oracle): {served:?}");
+    // The sequence must reach the hybrid cases, or agreeing on zeros would prove nothing.
+    let real = |step: &str| {
+        served
+            .iter()
+            .find(|(what, ..)| *what == step)
+            .map_or(0, |(_, real, ..)| *real)
+    };
+    ensure(
+        real("sibling B") == 0 && real("sibling C") > 0 && real("turn A again") > 0,
+        || format!("the sequence did not reach the hybrid cases: {served:?}"),
+    )?;
     ensure(
         served
             .iter()

@@ -415,31 +415,51 @@ impl PrefixCache {
                 hashes.push(EngineHash::Int(self.mode.hash(digest)));
             }
         }
-        let block_size = self.block_size;
-        self.events.push(KvEvent::BlockStored(BlockStored {
+        let event = BlockStored {
             block_hashes: hashes,
-            parent_block_hash: from
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some("sliding_window".into()),
+            kv_cache_spec_sliding_window: i64::try_from(window).ok(),
+            ..self.stored_range(tokens, digests, from..digests.len(), extras)
+        };
+        self.events.push(KvEvent::BlockStored(event));
+    }
+
+    /// A `BlockStored` for blocks `range` of `tokens` as vLLM fills one in: their tokens,
+    /// the parent before them, the LoRA and per-block extra keys; its hashes name every
+    /// block of the range (a window store keeps fewer).
+    fn stored_range(
+        &self,
+        tokens: &[u32],
+        digests: &[Digest],
+        range: std::ops::Range<usize>,
+        extras: &KeyExtras,
+    ) -> BlockStored {
+        let hash = |d: &Digest| EngineHash::Int(self.mode.hash(d));
+        let block_size = self.block_size;
+        BlockStored {
+            block_hashes: digests
+                .get(range.clone())
+                .unwrap_or(&[])
+                .iter()
+                .map(hash)
+                .collect(),
+            parent_block_hash: range
+                .start
                 .checked_sub(1)
                 .and_then(|p| digests.get(p))
-                .map(|d| EngineHash::Int(self.mode.hash(d))),
+                .map(hash),
             token_ids: tokens
-                .get(from * block_size..digests.len() * block_size)
+                .get(range.start * block_size..range.end * block_size)
                 .unwrap_or(&[])
                 .to_vec(),
             block_size: block_size as u64,
             lora_id: extras.lora.as_ref().map(|_| 1),
             medium: Some("GPU".into()),
             lora_name: extras.lora.as_ref().map(|l| l.name.clone()),
-            extra_keys: Some(
-                (from..digests.len())
-                    .map(|i| Self::event_extras(extras, i))
-                    .collect(),
-            ),
-            group_idx: Some(0),
-            kv_cache_spec_kind: Some("sliding_window".into()),
-            kv_cache_spec_sliding_window: i64::try_from(window).ok(),
+            extra_keys: Some(range.map(|b| Self::event_extras(extras, b)).collect()),
             ..BlockStored::default()
-        }));
+        }
     }
 
     /// A block's `extra_keys` entry as vLLM publishes it: the LoRA name, and the bare salt
@@ -484,7 +504,6 @@ impl PrefixCache {
             return;
         };
         // One event per contiguous run, as vLLM reports each cache_full_blocks call.
-        let block_size = self.block_size;
         let group = self.full_group();
         let mut run_start = first;
         for (n, &i) in stored.iter().enumerate() {
@@ -492,30 +511,12 @@ impl PrefixCache {
             if !run_ends {
                 continue;
             }
-            let range = run_start..=i;
-            self.events.push(KvEvent::BlockStored(BlockStored {
-                block_hashes: range
-                    .clone()
-                    .filter_map(|b| digests.get(b))
-                    .map(|d| EngineHash::Int(self.mode.hash(d)))
-                    .collect(),
-                parent_block_hash: run_start
-                    .checked_sub(1)
-                    .and_then(|p| digests.get(p))
-                    .map(|d| EngineHash::Int(self.mode.hash(d))),
-                token_ids: tokens
-                    .get(run_start * block_size..(i + 1) * block_size)
-                    .unwrap_or(&[])
-                    .to_vec(),
-                block_size: block_size as u64,
-                lora_id: extras.lora.as_ref().map(|_| 1),
-                medium: Some("GPU".into()),
-                lora_name: extras.lora.as_ref().map(|l| l.name.clone()),
-                extra_keys: Some(range.map(|b| Self::event_extras(extras, b)).collect()),
+            let event = BlockStored {
                 group_idx: Some(group),
                 kv_cache_spec_kind: Some("full_attention".into()),
-                ..BlockStored::default()
-            }));
+                ..self.stored_range(tokens, digests, run_start..i + 1, extras)
+            };
+            self.events.push(KvEvent::BlockStored(event));
             if let Some(&next) = stored.get(n + 1) {
                 run_start = next;
             }
@@ -742,7 +743,7 @@ mod tests {
     }
 
     #[test]
-    fn hybrid_window_blocks_are_evicted_first_and_copies_one_by_one() {
+    fn hybrid_window_blocks_are_evicted_first() {
         let keys = config();
         let mut cache = PrefixCache::new(11, 4, EngineHashMode::Keys).with_window(8);
         let a: Vec<u32> = (0..17).collect();

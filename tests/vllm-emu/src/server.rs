@@ -42,8 +42,9 @@ pub struct App {
     pub responses: Option<Mutex<HashMap<String, crate::responses::Previous>>>,
     /// Process start, seconds since the epoch (`process_start_time_seconds`).
     pub started: f64,
-    /// Set by `POST /debug/engine_dead`: the engine is gone while the HTTP server stays,
-    /// as vLLM's API server outlives a crashed or stopped engine core for a while.
+    /// Set by `POST /debug/engine_dead`: the engine is gone while the HTTP server stays.
+    /// vLLM 0.32.0 answers so only in the moment before its launcher shuts the server
+    /// down (by its code); the emulator holds the state as long as a test needs.
     engine_dead: AtomicBool,
     next_id: AtomicU64,
 }
@@ -811,8 +812,6 @@ async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Re
     Ok(rendered(&app, &body, tokens, body.get("max_output_tokens")))
 }
 
-/// Emulator only (benchmark oracles): how many prompt tokens of this chat request this
-/// replica would serve from its cache now, and the prompt's length.
 /// 200 while the engine lives; 503 once it is dead, as vLLM's `/health` answers.
 async fn health(State(app): State<Arc<App>>) -> StatusCode {
     if app.engine_dead.load(Ordering::Relaxed) {
@@ -834,6 +833,8 @@ async fn debug_engine_dead(State(app): State<Arc<App>>, body: Bytes) -> Result<R
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// Emulator only (benchmark oracles): how many prompt tokens of this chat request this
+/// replica would serve from its cache now, and the prompt's length.
 async fn debug_cached_tokens(
     State(app): State<Arc<App>>,
     body: Bytes,

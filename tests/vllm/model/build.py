@@ -115,10 +115,9 @@ def main() -> None:
     print(f"model ready: {out}")
 
 
-def qwen2_config(args) -> dict:
+def dimensions(args) -> dict:
+    """What every architecture's config takes from the shape flags."""
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
         "hidden_size": args.hidden,
         "intermediate_size": args.intermediate,
         "num_hidden_layers": args.layers,
@@ -126,18 +125,26 @@ def qwen2_config(args) -> dict:
         "num_key_value_heads": args.kv_heads,
         "head_dim": args.hidden // args.heads,
         "max_position_embeddings": args.max_len,
+        "torch_dtype": "bfloat16",
+        # Without it, transformers suspects a local tokenizer of Mistral's old regex bug.
+        "transformers_version": "5.19.0",
+    }
+
+
+def qwen2_config(args) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **dimensions(args),
         "max_window_layers": args.layers,
         "vocab_size": VOCAB,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
         "hidden_act": "silu",
         "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
         "bos_token_id": FIRST_SPECIAL,
         "eos_token_id": FIRST_SPECIAL + 2,
         "use_sliding_window": False,
-        # Without it, transformers suspects a local tokenizer of Mistral's old regex bug.
-        "transformers_version": "5.19.0",
     }
 
 
@@ -149,15 +156,9 @@ def gemma3_config(args) -> dict:
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.hidden // args.heads,
+        **dimensions(args),
         "query_pre_attn_scalar": args.hidden // args.heads,
         "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": args.max_len,
         "vocab_size": VOCAB,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {
@@ -169,11 +170,9 @@ def gemma3_config(args) -> dict:
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
         "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
         "bos_token_id": FIRST_SPECIAL,
         "eos_token_id": FIRST_SPECIAL + 2,
         "pad_token_id": FIRST_SPECIAL,
-        "transformers_version": "5.19.0",
     }
 
 
@@ -191,19 +190,13 @@ def gpt_oss_config(args) -> dict:
     return {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.hidden // args.heads,
+        **dimensions(args),
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "experts_per_token": 2,
         "vocab_size": GPT_OSS_VOCAB,
         "sliding_window": args.sliding_window,
         "layer_types": alternating_layers(args.layers),
-        "max_position_embeddings": args.max_len,
         "rms_norm_eps": 1e-5,
         "rope_parameters": {
             "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -214,10 +207,8 @@ def gpt_oss_config(args) -> dict:
         "swiglu_limit": 7.0,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
         "eos_token_id": RETURN,
         "pad_token_id": END_OF_TEXT,
-        "transformers_version": "5.19.0",
     }
 
 

@@ -5,6 +5,7 @@ mod bench;
 mod compat;
 mod demo;
 mod docs;
+mod npm;
 mod sh;
 mod vllm;
 
@@ -27,6 +28,8 @@ commands:
   compat [--version V ...]
                 the real-vLLM suite against every pinned vLLM version -> docs/compat.md
   docs          regenerate the reference pages, build the book into target/book
+  npm           vLLM's block keys for JavaScript -> target/npm/kvaffine-keys-<version>.tgz
+                (and the console's copy of its browser build, daemon/ui/keys/)
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
   bench filter [--engine emu|vllm]
@@ -73,6 +76,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["test"] => test(),
         ["compat", rest @ ..] => compat::run(rest),
         ["docs"] => docs::build(),
+        ["npm"] => npm::run(),
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "filter", rest @ ..] => bench::filter(rest),
@@ -206,8 +210,13 @@ fn test() -> anyhow::Result<()> {
         vllm::ensure(vllm::CI_OLDER).map(drop)
     })?;
     let mut counts = (0, 0);
+    phase("kvaffine-keys (npm package, under Node)", || {
+        counts = npm::test()?;
+        Ok(())
+    })?;
     phase("cargo test --workspace", || {
-        counts = sh::cargo_test(&["test", "--workspace"], &[])?;
+        let (passed, failed) = sh::cargo_test(&["test", "--workspace"], &[])?;
+        counts = (counts.0 + passed, counts.1 + failed);
         Ok(())
     })?;
     phase(

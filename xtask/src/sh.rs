@@ -92,12 +92,17 @@ fn rustup_has(kind: &str, name: &str) -> anyhow::Result<bool> {
         .any(|line| line.trim() == name || line.trim().starts_with(&format!("{name}-"))))
 }
 
-/// Installs the wasm target if this toolchain lacks it.
+/// Installs the filter's wasm target if this toolchain lacks it.
 pub fn ensure_wasm_target() -> anyhow::Result<()> {
-    if rustup_has("target", WASM_TARGET)? {
+    ensure_target(WASM_TARGET)
+}
+
+/// Installs `target` if this toolchain lacks it.
+pub fn ensure_target(target: &str) -> anyhow::Result<()> {
+    if rustup_has("target", target)? {
         return Ok(());
     }
-    run(Command::new("rustup").args(["target", "add", WASM_TARGET]))
+    run(Command::new("rustup").args(["target", "add", target]))
 }
 
 /// Installs clippy and rustfmt if this toolchain lacks them.

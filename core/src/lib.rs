@@ -11,6 +11,7 @@
 //!   block keys; [`approximate`]: text keys for the approximate mode.
 //! * [`protocol`]: the lookup the filter asks and the daemon answers.
 //! * [`reason`]: the one spelling of every routing outcome.
+//! * [`outcome`]: what a replica says it served from cache, against the prediction.
 //!
 //! request body -> [`plan::plan`] -> (tokenize call -> [`tokens::keys_from_tokenize`]) ->
 //! keys -> [`protocol::LookupRequest`] -> index -> [`protocol::Pick`] -> header values.
@@ -35,6 +36,7 @@ mod cbor;
 pub mod config;
 pub mod events;
 pub mod keys;
+pub mod outcome;
 pub mod pick;
 pub mod plan;
 pub mod protocol;

@@ -80,6 +80,10 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route(v1::LOOKUP_PATH, post(lookup_v1))
         .route_layer(shed)
         .route("/v1/endpoints", get(endpoints))
+        .route(
+            kvaffine_core::outcome::OUTCOMES_PATH,
+            post(record_outcomes).get(outcomes),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             daemon.clone(),
             authorize,
@@ -202,6 +206,29 @@ async fn endpoints(State(daemon): State<Arc<Daemon>>) -> Response {
         })
         .collect();
     axum::Json(json!({ "endpoints": endpoints })).into_response()
+}
+
+/// `POST /v1/outcomes`: a filter's batch of predictions and what replicas served.
+async fn record_outcomes(
+    State(daemon): State<Arc<Daemon>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|rejection| ApiError::Body(rejection.body_text()))?;
+    let batch: kvaffine_core::outcome::Outcomes =
+        serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let count = batch.outcomes.len();
+    daemon.outcomes.lock().record(
+        batch.outcomes,
+        std::time::SystemTime::now(),
+        &daemon.metrics,
+    );
+    Ok(axum::Json(json!({ "recorded": count })).into_response())
+}
+
+/// `GET /v1/outcomes`: the latest decisions and each replica's recent history.
+async fn outcomes(State(daemon): State<Arc<Daemon>>) -> Response {
+    let view = daemon.outcomes.lock().view(std::time::SystemTime::now());
+    axum::Json(view).into_response()
 }
 
 async fn ready(State(daemon): State<Arc<Daemon>>) -> Response {

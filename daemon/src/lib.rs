@@ -16,6 +16,7 @@ pub mod index;
 pub mod ingest;
 pub mod keys_cmd;
 pub mod metrics;
+pub mod outcomes;
 pub mod scrape;
 pub mod serve;
 pub mod state;

@@ -40,6 +40,15 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// Labels of the outcome series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    /// The replica's `HOST:PORT`.
+    pub endpoint: String,
+    /// `exact`, `over` (more predicted than served) or `under`.
+    pub result: &'static str,
+}
+
 /// Every series the daemon exports.
 pub struct Metrics {
     /// The registry `/metrics` renders.
@@ -84,6 +93,18 @@ pub struct Metrics {
     pub shed: Counter,
     /// Picks not booked at `--max-booked-keys`.
     pub bookings_refused: Counter,
+    /// Tokens the filter predicted cached, per replica (its reported outcomes).
+    pub outcome_predicted: Family<EndpointLabel, Counter>,
+    /// Tokens the replica reported cached, per replica (the same outcomes).
+    pub outcome_cached: Family<EndpointLabel, Counter>,
+    /// Absolute difference of the two, per outcome, summed.
+    pub outcome_error: Family<EndpointLabel, Counter>,
+    /// Outcomes, by whether the prediction was exact, over or under.
+    pub outcomes: Family<ResultLabel, Counter>,
+    /// Tokens this daemon's booked picks predicted cached, per replica.
+    pub booked_predicted: Family<EndpointLabel, Counter>,
+    /// The replica's own `vllm:prefix_cache_hits_total`, followed by scrapes.
+    pub replica_cache_hits: Family<EndpointLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -110,6 +131,42 @@ impl Default for Metrics {
         let lookups = Family::<ReasonLabel, Counter>::default();
         let shed = Counter::default();
         let bookings_refused = Counter::default();
+        let outcome_predicted = Family::<EndpointLabel, Counter>::default();
+        let outcome_cached = Family::<EndpointLabel, Counter>::default();
+        let outcome_error = Family::<EndpointLabel, Counter>::default();
+        let outcomes = Family::<ResultLabel, Counter>::default();
+        let booked_predicted = Family::<EndpointLabel, Counter>::default();
+        let replica_cache_hits = Family::<EndpointLabel, Counter>::default();
+        registry.register(
+            "outcome_predicted_cached_tokens",
+            "Prompt tokens the filter predicted the replica would serve from its KV cache (reported outcomes)",
+            outcome_predicted.clone(),
+        );
+        registry.register(
+            "outcome_cached_tokens",
+            "Prompt tokens the replica reported it served from its KV cache (the same outcomes)",
+            outcome_cached.clone(),
+        );
+        registry.register(
+            "outcome_prediction_error_tokens",
+            "Absolute difference of predicted and reported cached tokens, summed over outcomes",
+            outcome_error.clone(),
+        );
+        registry.register(
+            "outcomes",
+            "Reported outcomes, by whether the prediction was exact, over or under",
+            outcomes.clone(),
+        );
+        registry.register(
+            "booked_predicted_cached_tokens",
+            "Prompt tokens this daemon's booked picks predicted cached (compare with replica_prefix_cache_hit_tokens where answers carry no usage)",
+            booked_predicted.clone(),
+        );
+        registry.register(
+            "replica_prefix_cache_hit_tokens",
+            "The replica's own vllm:prefix_cache_hits_total, as scraped (all its traffic, not only the gateway's)",
+            replica_cache_hits.clone(),
+        );
         registry.register(
             "bookings_refused",
             "Picks not booked because --max-booked-keys keys were booked",
@@ -228,6 +285,12 @@ impl Default for Metrics {
             lookups,
             shed,
             bookings_refused,
+            outcome_predicted,
+            outcome_cached,
+            outcome_error,
+            outcomes,
+            booked_predicted,
+            replica_cache_hits,
         }
     }
 }

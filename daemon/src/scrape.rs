@@ -19,6 +19,8 @@ pub struct Scrape {
     pub block_size: Option<u64>,
     /// `prefix_caching_hash_algo` label of `vllm:cache_config_info`.
     pub hash_algo: Option<String>,
+    /// `vllm:prefix_cache_hits_total` (tokens), summed over engines.
+    pub prefix_cache_hits: Option<f64>,
 }
 
 /// One sample line: name, labels, value.
@@ -93,6 +95,9 @@ pub fn parse_metrics(text: &str) -> Scrape {
             "vllm:kv_cache_usage_perc" => {
                 scrape.load.kv_cache_usage = scrape.load.kv_cache_usage.max(value)
             }
+            "vllm:prefix_cache_hits_total" => {
+                *scrape.prefix_cache_hits.get_or_insert(0.0) += value;
+            }
             "vllm:cache_config_info" => {
                 scrape.block_size = label(&labels, "block_size").and_then(|v| v.parse().ok());
                 scrape.hash_algo = label(&labels, "prefix_caching_hash_algo").map(str::to_owned);
@@ -143,6 +148,20 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                     tracing::info!(endpoint = %endpoint.spec.endpoint, "metrics and health reachable again");
                 }
                 status.load = Some(scrape.load);
+                if let Some(hits) = scrape.prefix_cache_hits {
+                    // From the first scrape on; a counter that went back is a restart.
+                    let new = match status.prefix_cache_hits {
+                        Some(was) if hits >= was => hits - was,
+                        Some(_) => hits,
+                        None => 0.0,
+                    };
+                    daemon
+                        .metrics
+                        .replica_cache_hits
+                        .get_or_create(&endpoint.label)
+                        .inc_by(new as u64);
+                    status.prefix_cache_hits = Some(hits);
+                }
                 status.model = scrape.model.clone();
                 // What the events showed stands, whatever /metrics says.
                 let misconfigured = mismatch(&daemon, &scrape).or_else(|| {
@@ -211,6 +230,7 @@ vllm:kv_cache_usage_perc{engine="0",model_name="qwen"} 0.25
 vllm:kv_cache_usage_perc{engine="1",model_name="qwen"} 0.5
 vllm:cache_config_info{block_size="64",enable_prefix_caching="True",engine="0",model_name="qwen",prefix_caching_hash_algo="sha256_cbor"} 1.0
 vllm:prefix_cache_hits_total{engine="0",model_name="qwen"} 1234.0
+vllm:prefix_cache_hits_total{engine="1",model_name="qwen"} 16.0
 "#;
         let scrape = parse_metrics(text);
         assert_eq!(
@@ -224,6 +244,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="qwen"} 1234.0
         assert_eq!(scrape.model.as_deref(), Some("qwen"));
         assert_eq!(scrape.block_size, Some(64));
         assert_eq!(scrape.hash_algo.as_deref(), Some("sha256_cbor"));
+        assert_eq!(scrape.prefix_cache_hits, Some(1250.0));
     }
 
     #[test]

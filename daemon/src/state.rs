@@ -40,6 +40,8 @@ pub struct Daemon {
     pub lookups: std::sync::atomic::AtomicUsize,
     /// The tokens the API requires, when `--auth-token-file` is given.
     pub auth: Option<crate::auth::ApiTokens>,
+    /// Outcomes the filters reported: predictions against what replicas served.
+    pub outcomes: Mutex<crate::outcomes::OutcomeLog>,
 }
 
 /// One followed replica.
@@ -97,6 +99,9 @@ pub struct EndpointStatus {
     pub rekey_entries: usize,
     /// Events applied since it was added.
     pub events_applied: u64,
+    /// Its `vllm:prefix_cache_hits_total` at the last scrape.
+    #[serde(skip)]
+    pub prefix_cache_hits: Option<f64>,
     /// Frames or payloads from it that did not decode, since it was added.
     pub decode_errors: u64,
     /// The last of them, as the decoder said.
@@ -293,6 +298,7 @@ impl Daemon {
             settings,
             index: RwLock::new(index),
             bookings: RwLock::new(bookings),
+            outcomes: Mutex::default(),
             backlogs: Mutex::new(backlogs),
             history: RwLock::new(history),
             endpoints: RwLock::new(Vec::new()),
@@ -531,6 +537,14 @@ impl Daemon {
         self.backlogs.lock().add(slot, work, now);
         match &request.query {
             Query::Blocks(keys) => {
+                self.metrics
+                    .booked_predicted
+                    .get_or_create(&EndpointLabel {
+                        endpoint: record.endpoint.clone(),
+                    })
+                    .inc_by(
+                        u64::from(record.matched_blocks) * self.settings.keys.block_size() as u64,
+                    );
                 let ttl = booking
                     .ttl_ms
                     .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);

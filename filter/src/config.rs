@@ -82,6 +82,13 @@ pub struct GatewayConfig {
     /// Request header that carries the body's `model`, for model-to-pool routes.
     #[serde(default = "default_model_header")]
     pub model_header: String,
+    /// Compare each precisely routed request's prediction (matched blocks x block size)
+    /// with the cached prompt tokens its replica reports in the answer's `usage` (read as
+    /// the answer passes, never changed or held): Envoy stats per replica
+    /// (`kvaffine.endpoint.<host_port>.*`), and the outcomes sent to the index in batches
+    /// each second (`POST /v1/outcomes`) for its metrics and console. Off by default.
+    #[serde(default)]
+    pub report_outcomes: bool,
 }
 
 impl GatewayConfig {

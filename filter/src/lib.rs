@@ -21,11 +21,13 @@ pub mod config;
 mod stats;
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use kvaffine_core::api::Api;
 use kvaffine_core::config::{Mode, Router};
+use kvaffine_core::outcome::{self, Outcome, Outcomes, StreamUsage};
 use kvaffine_core::plan::{self, Action as Step, Plan};
 use kvaffine_core::protocol::{self, Booking, LookupRequest, Pick, Query, v1};
 use kvaffine_core::{DigestCache, Reason, tokens};
@@ -67,6 +69,19 @@ const DIGEST_CACHE_BLOCKS: usize = 65_536;
 /// upgraded meanwhile).
 const PROTOCOL_1_RECHECK: Duration = Duration::from_secs(300);
 
+/// Outcomes waiting to be sent, per VM; past it the oldest are dropped (and counted).
+const MAX_QUEUED_OUTCOMES: usize = 4096;
+/// Outcomes per `POST /v1/outcomes`.
+const OUTCOMES_PER_POST: usize = 512;
+/// A non-streamed answer longer than this is not read for its usage (unmeasured).
+const MAX_ANSWER_BYTES: usize = 1024 * 1024;
+/// A streamed event line longer than this is not read (a Responses `response.completed`
+/// carries the whole response).
+const MAX_EVENT_LINE_BYTES: usize = 1024 * 1024;
+
+/// Outcomes of this VM's requests, oldest first, until the root sends them.
+type OutcomeQueue = Rc<RefCell<VecDeque<Outcome>>>;
+
 #[derive(Default)]
 struct Root {
     config: Option<Rc<FilterConfig>>,
@@ -74,9 +89,89 @@ struct Root {
     digests: Option<Rc<RefCell<DigestCache>>>,
     /// Until when the index is known to speak protocol 1 only.
     protocol_1_until: Rc<Cell<Option<SystemTime>>>,
+    outcomes: OutcomeQueue,
+    /// The `POST /v1/outcomes` in flight, and how many outcomes it carries.
+    posting: Option<(u32, usize)>,
+    /// Until when the index is known not to take outcomes (a daemon before them).
+    outcomes_refused_until: Option<SystemTime>,
+}
+
+impl Root {
+    /// Sends the oldest queued outcomes to the index, one batch at a time.
+    fn send_outcomes(&mut self) {
+        let (Some(config), Some(stats)) = (&self.config, &self.stats) else {
+            return;
+        };
+        if self.posting.is_some() {
+            return;
+        }
+        let Ok(mut queue) = self.outcomes.try_borrow_mut() else {
+            return;
+        };
+        if self
+            .outcomes_refused_until
+            .is_some_and(|until| now() < until)
+        {
+            // An older daemon: nothing to send them to, so they go (counted).
+            stats.outcomes_dropped(queue.len() as u64);
+            queue.clear();
+            return;
+        }
+        if queue.is_empty() {
+            return;
+        }
+        let take = queue.len().min(OUTCOMES_PER_POST);
+        let batch = Outcomes {
+            outcomes: queue.iter().take(take).cloned().collect(),
+        };
+        let gateway = &config.gateway;
+        // Refused by the host, the batch stays for the next tick (the queue's bound drops
+        // the oldest meanwhile).
+        if let Some(token) = callout(
+            gateway,
+            &gateway.index_cluster,
+            gateway.index_authority(),
+            outcome::OUTCOMES_PATH,
+            &batch.to_json(),
+            config.index_token.as_deref(),
+        ) {
+            queue.drain(..take);
+            self.posting = Some((token, take));
+        }
+    }
 }
 
 impl Context for Root {
+    fn on_http_call_response(&mut self, token_id: u32, _: usize, _: usize, _: usize) {
+        let Some((_, sent)) = self.posting.take_if(|(token, _)| *token == token_id) else {
+            return;
+        };
+        match call_status() {
+            Some(200..=299) => {}
+            Some(404) => {
+                if self.outcomes_refused_until.is_none() {
+                    log(
+                        LogLevel::Info,
+                        "kvaffine: the index does not take /v1/outcomes (an older kvaffined); outcomes are counted here only",
+                    );
+                }
+                self.outcomes_refused_until = Some(now() + PROTOCOL_1_RECHECK);
+                if let Some(stats) = &self.stats {
+                    stats.outcomes_dropped(sent as u64);
+                }
+            }
+            status => {
+                log(
+                    LogLevel::Warn,
+                    &format!("kvaffine: the index refused {sent} outcomes: status {status:?}"),
+                );
+                if let Some(stats) = &self.stats {
+                    stats.outcomes_dropped(sent as u64);
+                }
+            }
+        }
+    }
+
     fn on_done(&mut self) -> bool {
         // The VM is going (a new filter version, a configuration change): its share of the
         // gauges goes with it.
@@ -124,6 +219,9 @@ impl RootContext for Root {
                     old.footprint(0, 0);
                 }
                 self.stats = Some(Rc::new(Stats::define()));
+                if config_reports_outcomes(self.config.as_deref()) {
+                    let _ = hostcalls::set_tick_period(Duration::from_secs(1));
+                }
                 self.digests = Some(Rc::new(RefCell::new(DigestCache::new(
                     DIGEST_CACHE_BLOCKS,
                     secret,
@@ -135,6 +233,10 @@ impl RootContext for Root {
                 false
             }
         }
+    }
+
+    fn on_tick(&mut self) {
+        self.send_outcomes();
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -149,6 +251,9 @@ impl RootContext for Root {
             mode: Mode::Precise,
             model: None,
             outcome: None,
+            api: None,
+            outcomes: self.outcomes.clone(),
+            watch: None,
         }))
     }
 
@@ -186,6 +291,25 @@ enum Protocol {
     V2,
 }
 
+fn config_reports_outcomes(config: Option<&FilterConfig>) -> bool {
+    config.is_some_and(|c| c.gateway.report_outcomes)
+}
+
+/// A routed request's answer, followed for the cached tokens its replica reports.
+struct Watch {
+    endpoint: String,
+    predicted_tokens: u64,
+    reason: Reason,
+    reading: Reading,
+}
+
+enum Reading {
+    /// A whole JSON answer, copied as it passes (up to [`MAX_ANSWER_BYTES`]).
+    Body(Option<Vec<u8>>),
+    /// Server-sent events, line by line.
+    Stream(StreamUsage),
+}
+
 /// What happened to the request, for the response headers.
 struct Decision {
     endpoint: Option<String>,
@@ -204,6 +328,10 @@ struct Request {
     mode: Mode,
     model: Option<String>,
     outcome: Option<Decision>,
+    /// The API of a routed request (its answer's usage is read by it).
+    api: Option<Api>,
+    outcomes: OutcomeQueue,
+    watch: Option<Watch>,
 }
 
 /// The VM's linear memory: everything the filter holds lives in it.
@@ -319,18 +447,72 @@ impl Request {
         body: &[u8],
         bearer: Option<&str>,
     ) -> Option<u32> {
-        let authorization = bearer.map(|token| format!("Bearer {token}"));
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", path),
-            (":authority", authority),
-            ("content-type", "application/json"),
-        ];
-        if let Some(authorization) = &authorization {
-            headers.push(("authorization", authorization));
+        callout(self.gateway(), cluster, authority, path, body, bearer)
+    }
+
+    /// Starts following the answer of a request pinned in precise mode.
+    fn watch_answer(&mut self) {
+        let (Some(decision), Some(api)) = (&self.outcome, self.api) else {
+            return;
+        };
+        let Some(endpoint) = &decision.endpoint else {
+            return;
+        };
+        if !self.gateway().report_outcomes || decision.mode != Mode::Precise {
+            return;
         }
-        let timeout = Duration::from_millis(self.gateway().timeout_ms);
-        hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).ok()
+        let header = |name| {
+            hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+                .ok()
+                .flatten()
+        };
+        if header(":status").is_none_or(|s| s != b"200") {
+            return;
+        }
+        let streamed = header("content-type").is_some_and(|t| t.starts_with(b"text/event-stream"));
+        self.watch = Some(Watch {
+            endpoint: endpoint.clone(),
+            predicted_tokens: decision
+                .matched_blocks
+                .saturating_mul(self.router().config.block_size as u64),
+            reason: decision.reason,
+            reading: if streamed {
+                Reading::Stream(StreamUsage::new(api, MAX_EVENT_LINE_BYTES))
+            } else {
+                Reading::Body(Some(Vec::new()))
+            },
+        });
+    }
+
+    /// The answer ended: counts what its replica served from cache against the prediction,
+    /// and queues the outcome for the index.
+    fn answer_ended(&mut self, api: Api, watch: Watch) {
+        let usage = match watch.reading {
+            Reading::Body(body) => body.and_then(|body| outcome::usage_of(api, &body)),
+            Reading::Stream(stream) => stream.finish(),
+        };
+        let Some(usage) = usage else {
+            self.stats.unmeasured();
+            return;
+        };
+        self.stats
+            .outcome(&watch.endpoint, watch.predicted_tokens, usage.cached_tokens);
+        let Ok(mut queue) = self.outcomes.try_borrow_mut() else {
+            return;
+        };
+        if queue.len() >= MAX_QUEUED_OUTCOMES {
+            queue.pop_front();
+            self.stats.outcomes_dropped(1);
+        }
+        queue.push_back(Outcome {
+            endpoint: watch.endpoint,
+            model: self.model.clone(),
+            reason: watch.reason.as_str().to_owned(),
+            mode: Mode::Precise.as_str().to_owned(),
+            predicted_tokens: watch.predicted_tokens,
+            cached_tokens: usage.cached_tokens,
+            prompt_tokens: usage.prompt_tokens,
+        });
     }
 
     /// Asks the index about `query`; true if the callout is in flight.
@@ -515,6 +697,29 @@ impl Request {
     }
 }
 
+/// Starts a POST callout; its token, or None if the host refused it.
+fn callout(
+    gateway: &config::GatewayConfig,
+    cluster: &str,
+    authority: &str,
+    path: &str,
+    body: &[u8],
+    bearer: Option<&str>,
+) -> Option<u32> {
+    let authorization = bearer.map(|token| format!("Bearer {token}"));
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", authority),
+        ("content-type", "application/json"),
+    ];
+    if let Some(authorization) = &authorization {
+        headers.push(("authorization", authorization));
+    }
+    let timeout = Duration::from_millis(gateway.timeout_ms);
+    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).ok()
+}
+
 fn call_status() -> Option<u16> {
     hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
         .ok()
@@ -599,6 +804,7 @@ impl HttpContext for Request {
         match (is_post, api) {
             (true, Some(api)) if !end_of_stream && !empty() => {
                 self.started = Some(now());
+                self.api = Some(api);
                 self.phase = Phase::Buffering(api);
                 Action::Pause
             }
@@ -648,7 +854,7 @@ impl HttpContext for Request {
         Action::Continue
     }
 
-    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         if let Some(decision) = &self.outcome {
             let set = |name: &str, value: &str| {
                 let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
@@ -659,6 +865,38 @@ impl HttpContext for Request {
             }
             set(REASON_HEADER, decision.reason.as_str());
             set(MODE_HEADER, decision.mode.as_str());
+        }
+        if !end_of_stream {
+            self.watch_answer();
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(watch) = &mut self.watch else {
+            return Action::Continue;
+        };
+        // Returning Continue each time, the buffer holds only this chunk.
+        let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        match &mut watch.reading {
+            Reading::Body(body) => {
+                if let Some(copy) = body {
+                    if copy.len() + chunk.len() > MAX_ANSWER_BYTES {
+                        *body = None;
+                    } else {
+                        copy.extend_from_slice(&chunk);
+                    }
+                }
+            }
+            Reading::Stream(stream) => stream.feed(&chunk),
+        }
+        if end_of_stream {
+            if let (Some(watch), Some(api)) = (self.watch.take(), self.api) {
+                self.answer_ended(api, watch);
+            }
         }
         Action::Continue
     }

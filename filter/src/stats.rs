@@ -3,9 +3,13 @@
 //! reasons' own spelling: `routed.<reason>` for a pick, `unpinned.<reason>` for a request
 //! forwarded without one, and `passthrough` and `disabled` as they are. Two gauges show
 //! what the filter holds, summed over the gateway's VMs (one per worker): its linear
-//! memory and its digest cache.
+//! memory and its digest cache. With `report_outcomes`, per replica
+//! (`kvaffine.endpoint.<host_port>.*`, the address with `.` and `:` as `_`): outcomes
+//! measured, tokens predicted cached, tokens the replica reported cached, and their absolute
+//! difference; and `outcomes.unmeasured` for answers that carried no cached-token count.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 
 use kvaffine_core::Reason;
 use proxy_wasm::hostcalls;
@@ -31,6 +35,48 @@ pub struct Stats {
     digest_blocks: Option<u32>,
     /// What this VM last added to the two gauges (memory bytes, cached digests).
     reported: Cell<(u64, u64)>,
+    unmeasured: Option<u32>,
+    outcomes_dropped: Option<u32>,
+    /// Per-replica outcome counters, defined on a replica's first outcome.
+    endpoints: RefCell<HashMap<String, EndpointIds>>,
+}
+
+/// At most this many replicas get their own outcome counters per VM (a host's stats are
+/// never freed): beyond it outcomes still reach the index, uncounted here.
+const MAX_ENDPOINT_STATS: usize = 1024;
+
+struct EndpointIds {
+    outcomes: Option<u32>,
+    predicted: Option<u32>,
+    cached: Option<u32>,
+    error: Option<u32>,
+}
+
+impl EndpointIds {
+    fn define(endpoint: &str) -> Self {
+        let name: String = endpoint
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let counter = |what: &str| {
+            define(
+                MetricType::Counter,
+                &format!("kvaffine.endpoint.{name}.{what}"),
+            )
+        };
+        Self {
+            outcomes: counter("outcomes"),
+            predicted: counter("predicted_cached_tokens"),
+            cached: counter("cached_tokens"),
+            error: counter("prediction_error_tokens"),
+        }
+    }
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
@@ -53,7 +99,43 @@ impl Stats {
             vm_memory: define(MetricType::Gauge, "kvaffine.vm_memory_bytes"),
             digest_blocks: define(MetricType::Gauge, "kvaffine.digest_cache_blocks"),
             reported: Cell::new((0, 0)),
+            unmeasured: counter("outcomes.unmeasured"),
+            outcomes_dropped: counter("outcomes.dropped"),
+            endpoints: RefCell::new(HashMap::new()),
         }
+    }
+
+    fn add(id: Option<u32>, value: u64) {
+        if let (Some(id), Ok(value)) = (id, i64::try_from(value)) {
+            let _ = hostcalls::increment_metric(id, value);
+        }
+    }
+
+    /// Counts one measured outcome of a request pinned to `endpoint`.
+    pub fn outcome(&self, endpoint: &str, predicted: u64, cached: u64) {
+        let Ok(mut endpoints) = self.endpoints.try_borrow_mut() else {
+            return;
+        };
+        if !endpoints.contains_key(endpoint) && endpoints.len() >= MAX_ENDPOINT_STATS {
+            return;
+        }
+        let ids = endpoints
+            .entry(endpoint.to_owned())
+            .or_insert_with(|| EndpointIds::define(endpoint));
+        Self::increment(ids.outcomes);
+        Self::add(ids.predicted, predicted);
+        Self::add(ids.cached, cached);
+        Self::add(ids.error, predicted.abs_diff(cached));
+    }
+
+    /// Counts an answer that said nothing of its cached tokens.
+    pub fn unmeasured(&self) {
+        Self::increment(self.unmeasured);
+    }
+
+    /// Counts outcomes dropped unsent (the index unreachable for long).
+    pub fn outcomes_dropped(&self, count: u64) {
+        Self::add(self.outcomes_dropped, count);
     }
 
     fn increment(id: Option<u32>) {

@@ -193,6 +193,8 @@ fn filter_config(config: &StackConfig, daemon_addr: &str, tokenizer: &str) -> Va
     if let Some(base) = filter.as_object_mut() {
         base.insert("block_size".into(), json!(config.block_size));
         base.insert("timeout_ms".into(), json!(1000));
+        // Every stack checks its predictions against what the replicas served.
+        base.insert("report_outcomes".into(), json!(true));
     }
     if let (Some(base), Some(extra)) = (filter.as_object_mut(), config.filter.as_object()) {
         for (k, v) in extra {
@@ -499,6 +501,35 @@ impl Stack {
             &filter_config(&config, &self.daemon_addr, self.tokenizer()),
             &wasm_path(),
         )
+    }
+
+    /// The sum over every series of kvaffined's metric `name` (a counter's `_total` name
+    /// included), 0 when it has none.
+    pub fn daemon_metric(&self, name: &str) -> f64 {
+        let (_, text) = http(&self.daemon_addr, "GET", "/metrics", "");
+        text.lines()
+            .filter(|line| {
+                line.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            })
+            .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Waits until kvaffined has recorded `count` outcomes from the filter (sent each
+    /// second), and fails if it records more.
+    pub fn wait_outcomes(&self, count: u64) -> anyhow::Result<()> {
+        let recorded = || self.daemon_metric("kvaffined_outcomes_total") as u64;
+        poll(
+            &format!("{count} outcomes recorded by kvaffined"),
+            Duration::from_secs(15),
+            || recorded() >= count,
+        )?;
+        let recorded = recorded();
+        if recorded != count {
+            bail!("kvaffined recorded {recorded} outcomes, {count} requests were routed");
+        }
+        Ok(())
     }
 
     /// A counter or gauge from Envoy's stats (0 when absent).

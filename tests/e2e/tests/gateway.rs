@@ -628,3 +628,133 @@ fn the_filters_footprint_gauges_follow_its_vms_across_a_reload() {
     })
     .unwrap();
 }
+
+/// The cached tokens of a streamed reply, from its last usage event.
+fn streamed_cached(reply: &Reply) -> u64 {
+    reply
+        .body
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .filter_map(|event| {
+            event
+                .pointer("/usage/prompt_tokens_details/cached_tokens")?
+                .as_u64()
+        })
+        .next_back()
+        .unwrap_or(0)
+}
+
+/// Predicted against actual: every routed answer's cached tokens (non-streamed, and the
+/// last usage event of a stream) reach kvaffined as outcomes, each prediction equal to
+/// what the emulator served; the filter's per-replica stats agree, the console's history
+/// lists them, and the replicas' own `vllm:prefix_cache_hits_total` shows the same hits.
+#[test]
+fn predictions_are_compared_with_what_the_replicas_served() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    let block = StackConfig::default().block_size as u64;
+    // The replicas' hit counters are followed from kvaffined's first scrape of each.
+    poll("every replica scraped", Duration::from_secs(10), || {
+        send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"").json()["endpoints"]
+            .as_array()
+            .is_some_and(|all| all.iter().all(|e| !e["status"]["load"].is_null()))
+    })
+    .unwrap();
+    let mut routed = 0;
+    let (mut predicted, mut served) = (0, 0);
+    let mut count = |reply: &Reply, cached: u64| {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let matched: u64 = reply
+            .header("x-kvaffine-matched-blocks")
+            .and_then(|m| m.parse().ok())
+            .expect("a routed reply");
+        routed += 1;
+        predicted += matched * block;
+        served += cached;
+    };
+    for seed in 0..3 {
+        let body = json!({"messages": long_history(700 + seed), "max_tokens": 4, "cache_salt": format!("outcome{seed}")});
+        let first = chat(&stack, &body);
+        count(&first, cached(&first));
+        let mut next = body.clone();
+        let messages = next["messages"].as_array_mut().unwrap();
+        messages.push(first.json()["choices"][0]["message"].clone());
+        messages.push(json!({"role": "user", "content": "go on"}));
+        let second = chat(&stack, &next);
+        assert_eq!(second.header("x-kvaffine-reason"), Some("prefix"));
+        assert!(cached(&second) > 0);
+        count(&second, cached(&second));
+        next["stream"] = json!(true);
+        next["stream_options"] = json!({"include_usage": true});
+        let streamed = chat(&stack, &next);
+        assert!(streamed_cached(&streamed) > 0, "{}", streamed.body);
+        count(&streamed, streamed_cached(&streamed));
+    }
+    // A stream without usage is routed but unmeasured.
+    let quiet = chat(
+        &stack,
+        &json!({"messages": long_history(799), "max_tokens": 2, "stream": true}),
+    );
+    assert_eq!(quiet.status, 200);
+
+    stack.wait_outcomes(routed).unwrap();
+    assert_eq!(
+        stack.daemon_metric("kvaffined_outcome_cached_tokens_total") as u64,
+        served
+    );
+    assert_eq!(
+        stack.daemon_metric("kvaffined_outcome_predicted_cached_tokens_total") as u64,
+        predicted
+    );
+    assert_eq!(
+        stack.daemon_metric("kvaffined_outcome_prediction_error_tokens_total"),
+        0.0,
+        "every prediction came true"
+    );
+    let envoy_stats = send(&stack.admin, "GET", "/stats?filter=kvaffine", &[], b"").body;
+    let envoy_sum = |suffix: &str| -> u64 {
+        envoy_stats
+            .lines()
+            .filter(|l| {
+                l.starts_with("wasmcustom.kvaffine.endpoint.")
+                    && l.split(':').next().is_some_and(|n| n.ends_with(suffix))
+            })
+            .filter_map(|l| l.rsplit_once(": ")?.1.trim().parse::<u64>().ok())
+            .sum()
+    };
+    assert_eq!(envoy_sum(".cached_tokens"), served, "{envoy_stats}");
+    assert_eq!(envoy_sum(".predicted_cached_tokens"), predicted);
+    assert_eq!(envoy_sum(".outcomes"), routed);
+    assert_eq!(
+        stack.filter_metric("kvaffine.outcomes.unmeasured"),
+        Some(1.0)
+    );
+
+    let view = send(&stack.daemon_addr, "GET", "/v1/outcomes", &[], b"");
+    assert_eq!(view.status, 200);
+    let view = view.json();
+    assert_eq!(
+        view["recent"].as_array().map(Vec::len),
+        Some(routed as usize)
+    );
+    let bucketed: u64 = view["series"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["buckets"].as_array().unwrap())
+        .map(|b| b["cached_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(bucketed, served);
+
+    // The replicas' own counters, scraped: the same hits, whatever the answers carried.
+    poll(
+        "the replicas' hits scraped",
+        Duration::from_secs(10),
+        || stack.daemon_metric("kvaffined_replica_prefix_cache_hit_tokens_total") as u64 == served,
+    )
+    .unwrap();
+    assert_eq!(
+        stack.daemon_metric("kvaffined_booked_predicted_cached_tokens_total") as u64,
+        predicted
+    );
+}

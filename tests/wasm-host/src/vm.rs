@@ -20,6 +20,7 @@ mod status {
 /// Buffer types of the ABI.
 mod buffer {
     pub const REQUEST_BODY: i32 = 0;
+    pub const RESPONSE_BODY: i32 = 1;
     pub const CALL_RESPONSE_BODY: i32 = 4;
     pub const VM_CONFIGURATION: i32 = 6;
     pub const PLUGIN_CONFIGURATION: i32 = 7;
@@ -106,6 +107,8 @@ pub struct StreamState {
     pub request_body: Option<Vec<u8>>,
     /// Response headers, including `:status`, once the upstream answered.
     pub response_headers: Headers,
+    /// The response body chunk being delivered.
+    pub response_chunk: Vec<u8>,
     /// Properties the filter set (`kong.service.target`, ...), path joined with `.`.
     pub properties: HashMap<String, Vec<u8>>,
     /// The filter called `proxy_continue_stream` for the request.
@@ -130,6 +133,7 @@ struct HostState {
     logs: std::collections::VecDeque<String>,
     random: u64,
     random_source: RandomSource,
+    tick_period_ms: u32,
 }
 
 /// What WASI `random_get` does in this host.
@@ -170,6 +174,8 @@ struct Exports {
     request_headers: TypedFunc<(i32, i32, i32), i32>,
     request_body: TypedFunc<(i32, i32, i32), i32>,
     response_headers: TypedFunc<(i32, i32, i32), i32>,
+    response_body: TypedFunc<(i32, i32, i32), i32>,
+    tick: TypedFunc<i32, ()>,
     http_call_response: TypedFunc<(i32, i32, i32, i32, i32), ()>,
     log: TypedFunc<i32, ()>,
     done: TypedFunc<i32, i32>,
@@ -222,6 +228,7 @@ impl Vm {
             logs: std::collections::VecDeque::new(),
             random: seed,
             random_source,
+            tick_period_ms: 0,
         };
         let mut store = Store::new(&engine, state);
         let instance = linker.instantiate(&mut store, &module)?;
@@ -343,11 +350,45 @@ impl Vm {
         ))
     }
 
+    /// `on_response_body` with one chunk of the upstream's answer, as it passes.
+    pub fn on_response_body(
+        &mut self,
+        stream: u32,
+        chunk: &[u8],
+        end_of_stream: bool,
+    ) -> Option<Action> {
+        let state = self.store.data_mut();
+        state.effective = stream;
+        state.streams.get_mut(&stream)?.response_chunk = chunk.to_vec();
+        let result = self.exports.response_body.call(
+            &mut self.store,
+            (stream as i32, chunk.len() as i32, i32::from(end_of_stream)),
+        );
+        self.action(result)
+    }
+
+    /// The tick period the filter asked for (0: none).
+    pub fn tick_period_ms(&self) -> u32 {
+        self.store.data().tick_period_ms
+    }
+
+    /// One timer tick of the root context.
+    pub fn tick(&mut self) {
+        if self.trapped.is_some() {
+            return;
+        }
+        self.store.data_mut().effective = ROOT_CONTEXT;
+        let result = self.exports.tick.call(&mut self.store, ROOT_CONTEXT as i32);
+        self.guard(result);
+    }
+
     /// Delivers a callout's outcome to the filter.
     pub fn on_http_call_response(&mut self, call: &CallRequest, outcome: CallOutcome) {
         // A stream that ended (its client went away) has its callouts cancelled, as hosts
         // cancel a deleted context's calls.
-        if self.trapped.is_some() || !self.store.data().streams.contains_key(&call.stream) {
+        let live =
+            call.stream == ROOT_CONTEXT || self.store.data().streams.contains_key(&call.stream);
+        if self.trapped.is_some() || !live {
             return;
         }
         let (headers, body) = match &outcome {
@@ -424,6 +465,8 @@ impl Exports {
             request_headers: instance.get_typed_func(&mut *store, "proxy_on_request_headers")?,
             request_body: instance.get_typed_func(&mut *store, "proxy_on_request_body")?,
             response_headers: instance.get_typed_func(&mut *store, "proxy_on_response_headers")?,
+            response_body: instance.get_typed_func(&mut *store, "proxy_on_response_body")?,
+            tick: instance.get_typed_func(&mut *store, "proxy_on_tick")?,
             http_call_response: instance
                 .get_typed_func(&mut *store, "proxy_on_http_call_response")?,
             log: instance.get_typed_func(&mut *store, "proxy_on_log")?,
@@ -718,6 +761,7 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
                 buffer::PLUGIN_CONFIGURATION => Some(state.plugin_configuration.clone()),
                 buffer::VM_CONFIGURATION => None,
                 buffer::REQUEST_BODY => state.stream().and_then(|s| s.request_body.clone()),
+                buffer::RESPONSE_BODY => state.stream().map(|s| s.response_chunk.clone()),
                 buffer::CALL_RESPONSE_BODY => match &state.call_response {
                     Some(CallOutcome::Response { body, .. }) => Some(body.clone()),
                     _ => None,
@@ -967,11 +1011,14 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
             }
             let state = c.data_mut();
             let stream = state.effective;
-            let Some(stream_state) = state.streams.get_mut(&stream) else {
-                return Ok(status::BAD_ARGUMENT);
-            };
-            stream_state.calls_made += 1;
-            stream_state.calls_in_flight += 1;
+            // The root context calls out from its timer (ngx_wasm_module allows it there).
+            if stream != ROOT_CONTEXT {
+                let Some(stream_state) = state.streams.get_mut(&stream) else {
+                    return Ok(status::BAD_ARGUMENT);
+                };
+                stream_state.calls_made += 1;
+                stream_state.calls_in_flight += 1;
+            }
             let token = state.next_token;
             state.next_token += 1;
             state.pending_calls.push(CallRequest {
@@ -992,6 +1039,14 @@ fn define_proxy_wasm(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
         |_: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> i32 {
             // Kong registers only `resolve_lua`; everything else is unknown.
             status::NOT_FOUND
+        },
+    )?;
+    linker.func_wrap(
+        ENV,
+        "proxy_set_tick_period_milliseconds",
+        |mut c: Ctx<'_>, period: i32| -> i32 {
+            c.data_mut().tick_period_ms = period as u32;
+            status::OK
         },
     )?;
     linker.func_wrap(

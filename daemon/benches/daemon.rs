@@ -93,6 +93,7 @@ fn fill(index: &mut PrefixIndex, rng: &mut Rng, blocks: usize) -> Vec<Vec<u64>> 
 
 fn settings() -> Settings {
     Settings {
+        hash_seed: None,
         keys: KeyConfig::new(HashAlgo::Sha256Cbor, BLOCK_SIZE, None, VllmCompat::V0_31).unwrap(),
         policy: Default::default(),
         topic: String::new(),

@@ -225,6 +225,8 @@ impl ConfigFile {
 pub struct Settings {
     /// How replicas key blocks.
     pub keys: KeyConfig,
+    /// The replicas' `PYTHONHASHSEED` the keys were built with (the console keys with it).
+    pub hash_seed: Option<String>,
     /// The ranking knobs.
     pub policy: PickPolicy,
     /// The `kv-events-config` topic.
@@ -276,6 +278,7 @@ impl ServeArgs {
         }
         Ok(Settings {
             keys,
+            hash_seed: self.hash_seed.clone(),
             policy: PickPolicy {
                 block_size: self.block_size as usize,
                 cached_token_cost: self.cached_token_cost,

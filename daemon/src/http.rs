@@ -35,6 +35,12 @@ pub enum ApiError {
     /// `--max-inflight-lookups` lookups are being answered already.
     #[error("overloaded: --max-inflight-lookups lookups are in flight")]
     Overloaded,
+    /// A replica the daemon called (the explain tool's tokenizer) failed.
+    #[error("replica: {0}")]
+    Upstream(String),
+    /// No replica is reachable to call.
+    #[error("no replica is reachable")]
+    NoReplica,
 }
 
 impl IntoResponse for ApiError {
@@ -44,7 +50,8 @@ impl IntoResponse for ApiError {
             Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Body(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Overloaded | Self::NoReplica => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Upstream(_) => StatusCode::BAD_GATEWAY,
         };
         let body = axum::Json(json!({ "error": self.to_string() }));
         if status == StatusCode::UNAUTHORIZED {
@@ -84,12 +91,14 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
             kvaffine_core::outcome::OUTCOMES_PATH,
             post(record_outcomes).get(outcomes),
         )
+        .route("/v1/explain", post(crate::console::explain))
         .route_layer(axum::middleware::from_fn_with_state(
             daemon.clone(),
             authorize,
         ));
     Router::new()
         .merge(api)
+        .merge(crate::console::routes())
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))

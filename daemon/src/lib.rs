@@ -8,6 +8,7 @@ pub mod auth;
 pub mod bookings;
 pub mod check_cmd;
 pub mod config;
+pub mod console;
 pub mod discovery;
 pub mod history;
 pub mod http;

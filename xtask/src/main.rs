@@ -159,6 +159,7 @@ fn test() -> anyhow::Result<()> {
         sh::ensure_lint_components()?;
         sh::cargo(&["fmt", "--all", "--", "--check"])?;
         sh::ensure_wasm_target()?;
+        sh::ensure_debian_tools()?;
         sh::ensure_python_tools()
     })?;
     phase("clippy (native and wasm32)", || {

@@ -115,6 +115,35 @@ pub fn ensure_lint_components() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Debian packages the tests drive, by the command each provides: headless Chromium for
+/// the console, Node and npm for the `kvaffine-keys` package.
+const DEBIAN_TOOLS: [(&str, &str); 3] =
+    [("chromium", "chromium"), ("node", "nodejs"), ("npm", "npm")];
+
+/// Installs (as root, with apt) whichever of [`DEBIAN_TOOLS`] this machine lacks.
+pub fn ensure_debian_tools() -> anyhow::Result<()> {
+    let missing: Vec<&str> = DEBIAN_TOOLS
+        .iter()
+        .filter(|(command, _)| {
+            Command::new(command)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_err()
+        })
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
 /// The Envoy release the configs and tests are verified against.
 pub const ENVOY_VERSION: &str = "1.40.0";
 

@@ -516,6 +516,19 @@ impl Stack {
             .sum()
     }
 
+    /// Waits until kvaffined has scraped every replica once (its hit counters are followed
+    /// from then on).
+    pub fn wait_scraped(&self) -> anyhow::Result<()> {
+        poll("every replica scraped", Duration::from_secs(10), || {
+            let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
+            serde_json::from_str::<Value>(&text).is_ok_and(|v| {
+                v["endpoints"]
+                    .as_array()
+                    .is_some_and(|all| all.iter().all(|e| !e["status"]["load"].is_null()))
+            })
+        })
+    }
+
     /// Waits until kvaffined has recorded `count` outcomes from the filter (sent each
     /// second), and fails if it records more.
     pub fn wait_outcomes(&self, count: u64) -> anyhow::Result<()> {
@@ -587,6 +600,11 @@ impl Stack {
     }
 
     /// Addresses of every daemon, the primary first.
+    /// `HOST:PORT` of every replica's HTTP server.
+    pub fn replica_addresses(&self) -> Vec<String> {
+        self.upstreams.iter().map(|u| u.http.clone()).collect()
+    }
+
     fn daemon_addresses(&self) -> Vec<&str> {
         let mut all = vec![self.daemon_addr.as_str()];
         all.extend(self.spare_daemons.iter().map(|(_, a)| a.as_str()));

@@ -654,12 +654,7 @@ fn predictions_are_compared_with_what_the_replicas_served() {
     let stack = Stack::start(StackConfig::default()).unwrap();
     let block = StackConfig::default().block_size as u64;
     // The replicas' hit counters are followed from kvaffined's first scrape of each.
-    poll("every replica scraped", Duration::from_secs(10), || {
-        send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"").json()["endpoints"]
-            .as_array()
-            .is_some_and(|all| all.iter().all(|e| !e["status"]["load"].is_null()))
-    })
-    .unwrap();
+    stack.wait_scraped().unwrap();
     let mut routed = 0;
     let (mut predicted, mut served) = (0, 0);
     let mut count = |reply: &Reply, cached: u64| {

@@ -490,14 +490,16 @@ fn check_warm(
 }
 
 /// `count` two-turn chat conversations through `gateway` (seeds from `first_seed`, new
-/// salts tagged `tag`), each continuation checked by [`check_warm`].
+/// salts tagged `tag`), each continuation checked by [`check_warm`]; the prompt tokens
+/// vLLM reported cached over all of them.
 fn warm_conversations(
     gateway: &str,
     tag: &str,
     first_seed: usize,
     count: usize,
     what: &str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<u64> {
+    let mut served = 0;
     for i in 0..count {
         let (seed, salt) = (first_seed + i, salt(tag, i));
         let first = ok(
@@ -519,8 +521,34 @@ fn warm_conversations(
             &second,
             chat_cached(&second),
         )?;
+        served += chat_cached(&first) + chat_cached(&second);
     }
-    Ok(())
+    Ok(served)
+}
+
+/// Every one of `routed` answers reached kvaffined as an outcome through the filter, the
+/// cached tokens it recorded are what vLLM reported (`served`), and no prediction missed:
+/// the error is 0. The replicas' own `vllm:prefix_cache_hits_total`, scraped, moved by as
+/// much.
+fn check_outcomes(stack: &Stack, routed: u64, served: u64) -> anyhow::Result<()> {
+    stack.wait_outcomes(routed)?;
+    let recorded = stack.daemon_metric("kvaffined_outcome_cached_tokens_total") as u64;
+    ensure(recorded == served, || {
+        format!("kvaffined recorded {recorded} cached tokens, vLLM reported {served}")
+    })?;
+    let error = stack.daemon_metric("kvaffined_outcome_prediction_error_tokens_total");
+    ensure(error == 0.0, || {
+        format!("predictions missed vLLM's cached tokens by {error} tokens in all")
+    })?;
+    poll(
+        "vLLM's prefix-cache hits scraped",
+        Duration::from_secs(10),
+        || stack.daemon_metric("kvaffined_replica_prefix_cache_hit_tokens_total") as u64 >= served,
+    )?;
+    let hits = stack.daemon_metric("kvaffined_replica_prefix_cache_hit_tokens_total") as u64;
+    ensure(hits == served, || {
+        format!("vLLM's prefix_cache_hits_total moved by {hits}, its answers said {served}")
+    })
 }
 
 // ---- the checks ----
@@ -528,7 +556,9 @@ fn warm_conversations(
 fn chat_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let stack = stack(replicas)?;
     let pairs = 6;
-    warm_conversations(&stack.gateway, "chat", 0, pairs, "pair")?;
+    stack.wait_scraped()?;
+    let served = warm_conversations(&stack.gateway, "chat", 0, pairs, "pair")?;
+    check_outcomes(&stack, 2 * pairs as u64, served)?;
     // The control: the same traffic through plain round robin on one connection (one
     // Envoy worker), which alternates replicas, so every continuation lands cold.
     let mut connection = Connection::open(&stack.gateway)?;
@@ -586,6 +616,8 @@ fn responses_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
             .and_then(Value::as_u64)
             .unwrap_or(0)
     };
+    stack.wait_scraped()?;
+    let mut served = 0;
     for i in 0..4 {
         let salt = salt("responses", i);
         let mut input = vec![json!({"role": "user", "content": prose(200 + i, 300)})];
@@ -622,8 +654,9 @@ fn responses_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
             &second,
             cached(&second),
         )?;
+        served += cached(&first) + cached(&second);
     }
-    Ok(())
+    check_outcomes(&stack, 8, served)
 }
 
 fn token_prompt(seed: usize, tokens: usize) -> Vec<u32> {
@@ -1278,6 +1311,7 @@ fn salt_isolation(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
 
 fn streamed_usage(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let stack = stack(replicas)?;
+    stack.wait_scraped()?;
     let salt = salt("stream", 0);
     let first = ok(
         post_json(
@@ -1311,7 +1345,8 @@ fn streamed_usage(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         chat_prompt(&first),
         &second,
         cached,
-    )
+    )?;
+    check_outcomes(&stack, 2, chat_cached(&first) + cached)
 }
 
 fn daemon_restart(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
@@ -1405,6 +1440,7 @@ fn replica_restart(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         4,
         "after replica restart, pair",
     )
+    .map(drop)
 }
 
 /// Once kvaffined has re-keyed the replicas (their first events make it purge and replay
@@ -1415,7 +1451,7 @@ fn rekeyed_routing(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     for replica in replicas.iter() {
         settle(&stack, replica, &Events::follow(replica)?)?;
     }
-    warm_conversations(&stack.gateway, "pickle", 1300, 4, "pickle pair")
+    warm_conversations(&stack.gateway, "pickle", 1300, 4, "pickle pair").map(drop)
 }
 
 /// Conversations on replicas with room for 64 blocks each. Every other continuation

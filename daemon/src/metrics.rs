@@ -296,6 +296,37 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Creates a newly followed stream's series at 0, so that dashboards see a replica's
+    /// gaps, restarts and outcomes from the start (a `rate()` needs the zero).
+    /// `endpoint` is the replica's HTTP address, which outcomes and picks name.
+    pub fn follow(&self, label: &EndpointLabel, endpoint: &str) {
+        for family in [
+            &self.decode_errors,
+            &self.gaps,
+            &self.replays,
+            &self.restarts,
+            &self.orphans,
+            &self.dropped_entries,
+            &self.replica_cache_hits,
+        ] {
+            drop(family.get_or_create(label));
+        }
+        for family in [&self.misconfigured, &self.kv_cache_unsupported, &self.incomplete] {
+            drop(family.get_or_create(label));
+        }
+        let http = EndpointLabel {
+            endpoint: endpoint.to_owned(),
+        };
+        for family in [
+            &self.outcome_predicted,
+            &self.outcome_cached,
+            &self.outcome_error,
+            &self.booked_predicted,
+        ] {
+            drop(family.get_or_create(&http));
+        }
+    }
+
     /// Counts a lookup ranked for `reason`.
     pub fn count_lookup(&self, reason: kvaffine_core::Reason) {
         self.lookups

@@ -190,6 +190,9 @@ impl Fleet {
             stop: AtomicBool::new(false),
             ingest: Mutex::new(None),
         });
+        self.daemon
+            .metrics
+            .follow(&endpoint.label, &endpoint.spec.endpoint);
         let streams = {
             let mut endpoints = self.daemon.endpoints.write();
             endpoints.push(endpoint.clone());
@@ -216,6 +219,9 @@ impl Fleet {
     async fn remove(&self, endpoint: &Arc<Endpoint>) {
         info!(endpoint = %endpoint.label.endpoint, "no longer configured: purging its blocks");
         endpoint.stop.store(true, Ordering::Relaxed);
+        self.daemon
+            .metrics
+            .follow(&endpoint.label, &endpoint.spec.endpoint);
         let streams = {
             let mut endpoints = self.daemon.endpoints.write();
             endpoints.retain(|e| !Arc::ptr_eq(e, endpoint));

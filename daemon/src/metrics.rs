@@ -311,7 +311,11 @@ impl Metrics {
         ] {
             drop(family.get_or_create(label));
         }
-        for family in [&self.misconfigured, &self.kv_cache_unsupported, &self.incomplete] {
+        for family in [
+            &self.misconfigured,
+            &self.kv_cache_unsupported,
+            &self.incomplete,
+        ] {
             drop(family.get_or_create(label));
         }
         let http = EndpointLabel {

@@ -521,6 +521,19 @@ pub fn filter(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The filter's cost with `report_outcomes` on and off, side by side in one run ->
+/// `docs/benchmarks/outcomes.md`.
+pub fn outcomes() -> anyhow::Result<()> {
+    let table = stack_bench(&["outcomes"])?;
+    let md = include_str!("bench_outcomes.md")
+        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{TABLE}}", &table);
+    write(&sh::root().join("docs/benchmarks/outcomes.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 /// The same table with two real vLLM replicas of the tests' model behind the filter ->
 /// `docs/benchmarks/filter-vllm.md`.
 fn filter_vllm() -> anyhow::Result<()> {

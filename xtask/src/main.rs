@@ -35,6 +35,8 @@ commands:
   bench filter [--engine emu|vllm]
                 latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
                 (real vLLM replicas and their /tokenize: docs/benchmarks/filter-vllm.md)
+  bench outcomes
+                the filter's cost with report_outcomes on and off -> docs/benchmarks/outcomes.md
   bench seed [--engine emu|vllm] [--model hybrid]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
                 (real vLLM: docs/benchmarks/seed-vllm/; GPT-OSS's hybrid attention: -hybrid)
@@ -80,6 +82,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "filter", rest @ ..] => bench::filter(rest),
+        ["bench", "outcomes"] => bench::outcomes(),
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
         ["bench", "soak", rest @ ..] => bench::soak(rest),

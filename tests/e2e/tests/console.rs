@@ -145,6 +145,55 @@ fn the_console_explains_the_prefix_a_conversation_left_on_its_replica() {
     assert!(png.starts_with(b"\x89PNG"), "a screenshot");
 }
 
+/// Behind `--auth-token-file`, the page still loads (it holds no data) but every data call
+/// needs the token: without one the page says so; with the token in the URL fragment
+/// (never sent to a server) the same link explains.
+#[test]
+fn behind_a_token_the_console_needs_the_token() {
+    let dir = root().join("target/console/auth");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, "console-token\n").unwrap();
+    let stack = Stack::start(StackConfig {
+        daemon_args: vec!["--auth-token-file".into(), tokens.display().to_string()],
+        filter: json!({"index_token": "console-token"}),
+        ..StackConfig::default()
+    })
+    .unwrap();
+    assert_eq!(send(&stack.daemon_addr, "GET", "/ui", &[], b"").status, 200);
+    assert_eq!(
+        send(&stack.daemon_addr, "POST", "/v1/explain", &[], b"{}").status,
+        401
+    );
+    let body =
+        json!({"messages": [{"role": "user", "content": "w1 w2 w3 ".repeat(40)}], "max_tokens": 2});
+    let url = format!(
+        "http://{}/ui?explain={}",
+        stack.daemon_addr,
+        percent_encode(&body.to_string())
+    );
+    let refused = browse(&url, &dir.join("refused.png"));
+    assert_eq!(
+        attribute(&refused, "id=\"explain-result\"", "data-state").as_deref(),
+        Some("failed")
+    );
+    assert!(
+        refused.contains("needs a token"),
+        "{}",
+        excerpt(&refused, "explain-result")
+    );
+    let allowed = browse(
+        &format!("{url}#token=console-token"),
+        &dir.join("allowed.png"),
+    );
+    assert_eq!(
+        attribute(&allowed, "id=\"explain-result\"", "data-state").as_deref(),
+        Some("done"),
+        "{}",
+        excerpt(&allowed, "explain-result")
+    );
+}
+
 fn excerpt(dom: &str, marker: &str) -> String {
     let at = dom.find(marker).unwrap_or(0);
     dom.chars().skip(at).take(1500).collect()

@@ -30,6 +30,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
     }
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
+        Some("outcomes") => outcomes(),
         Some("seed") => seed(
             args.get(1)
                 .context("usage: bench seed OUT_DIR [emu|vllm] [hybrid]")?,
@@ -65,7 +66,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | outcomes | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -134,6 +135,118 @@ fn real_stack() -> anyhow::Result<(Stack, Vec<kvaffine_e2e::vllm::VllmProcess>)>
         StackConfig::default(),
     )?;
     Ok((stack, replicas))
+}
+
+/// `bench outcomes`: the filter's cost with `report_outcomes` on against off, in one
+/// Envoy whose filter is hot-reloaded between the arms, rounds interleaved; the
+/// emulator's instant tokenizer, so that only the filter's own work differs. Envoy's and
+/// kvaffined's CPU per request are both counted (kvaffined takes the batches).
+fn outcomes() -> anyhow::Result<()> {
+    let stack = instant_stack(Vec::new())?;
+    let envoy = stack.envoy_pid().context("no Envoy")?;
+    let daemon = stack
+        .processes()
+        .into_iter()
+        .find(|(name, _)| name == "kvaffined")
+        .map(|(_, pid)| pid)
+        .context("no kvaffined")?;
+    let runtime = kvaffine_e2e::load::runtime()?;
+    let client = kvaffine_e2e::load::client()?;
+    let url = |prefix: &str| format!("http://{}{prefix}v1/chat/completions", stack.gateway);
+    // (name, path, report_outcomes, streamed with usage)
+    let arms: [(&str, &str, Option<bool>, bool); 6] = [
+        ("no filter (`/direct/`)", "/direct/", None, false),
+        ("precise, `report_outcomes` off", "/", Some(false), false),
+        ("precise, `report_outcomes` on", "/", Some(true), false),
+        (
+            "no filter (`/direct/`), streamed with usage",
+            "/direct/",
+            None,
+            true,
+        ),
+        ("precise, streamed with usage, off", "/", Some(false), true),
+        ("precise, streamed with usage, on", "/", Some(true), true),
+    ];
+    let mut reported = None;
+    let mut set = |on: bool| -> anyhow::Result<()> {
+        if reported == Some(on) {
+            return Ok(());
+        }
+        let reloads = stack.stat("extension_config_discovery.http_filter.kvaffine.config_reload");
+        stack.reload_filter(&json!({ "report_outcomes": on }))?;
+        kvaffine_e2e::poll("the reload", std::time::Duration::from_secs(30), || {
+            stack.stat("extension_config_discovery.http_filter.kvaffine.config_reload") > reloads
+        })?;
+        reported = Some(on);
+        Ok(())
+    };
+    let mut out = String::new();
+    writeln!(
+        out,
+        "| prompt | path | requests | p50 | p99 | added p50 | added p99 | Envoy CPU per request | kvaffined CPU per request | failed |\n|---|---|---|---|---|---|---|---|---|---|"
+    )?;
+    for (bytes, rounds) in [(2 * 1024, 8), (32 * 1024, 8)] {
+        let label = format!(
+            "{} KB ({} tokens)",
+            bytes / 1024,
+            prompt_tokens(&stack, &prose_body(bytes, "count"))?
+        );
+        let mut results: Vec<(Arm, f64)> = arms.iter().map(|_| (Arm::default(), 0.0)).collect();
+        for round in 0..rounds {
+            for ((arm, daemon_cpu), (_, path, on, streamed)) in results.iter_mut().zip(&arms) {
+                if let Some(on) = on {
+                    set(*on)?;
+                }
+                let mut body = prose_body(bytes, &format!("r{round}"));
+                if *streamed {
+                    body["stream"] = json!(true);
+                    body["stream_options"] = json!({"include_usage": true});
+                }
+                let body = body.to_string().into_bytes();
+                let recorded = stack.daemon_metric("kvaffined_outcomes_total");
+                // Warm the new VMs (and the prompt) before measuring.
+                runtime.block_on(closed_loop(&client, &url(path), same(body.clone()), 10, 1));
+                let (envoy_before, daemon_before) = (cpu_seconds(envoy), cpu_seconds(daemon));
+                let (latencies, failures) =
+                    runtime.block_on(closed_loop(&client, &url(path), same(body), 40, 1));
+                // The filter sends its batch within a second: every arm idles as long before
+                // its CPU is read, so the batch is counted in its arm and the daemon's own
+                // scrapes alike in all. Then the arm's outcomes must all be there.
+                std::thread::sleep(std::time::Duration::from_millis(1500));
+                arm.cpu += cpu_seconds(envoy) - envoy_before;
+                *daemon_cpu += cpu_seconds(daemon) - daemon_before;
+                let expected = recorded + if on == &Some(true) { 50.0 } else { 0.0 };
+                let now = stack.daemon_metric("kvaffined_outcomes_total");
+                if now != expected {
+                    bail!(
+                        "kvaffined recorded {now} outcomes, not {expected}, when the arm's CPU was read"
+                    );
+                }
+                arm.requests += 40;
+                arm.failures += failures;
+                arm.latencies.extend(latencies);
+            }
+        }
+        for ((arm, daemon_cpu), (name, _, _, streamed)) in results.iter().zip(&arms) {
+            // Against the unfiltered arm answering the same way.
+            let baseline = &results[if *streamed { 3 } else { 0 }].0.latencies;
+            let (base, base99) = (baseline.quantile(0.5), baseline.quantile(0.99));
+            writeln!(
+                out,
+                "| {label} | {name} | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.0} us | {:.0} us | {} |",
+                arm.requests,
+                ms(arm.latencies.quantile(0.5)),
+                ms(arm.latencies.quantile(0.99)),
+                ms(arm.latencies.quantile(0.5)) - ms(base),
+                ms(arm.latencies.quantile(0.99)) - ms(base99),
+                arm.cpu / arm.requests as f64 * 1e6,
+                daemon_cpu / arm.requests as f64 * 1e6,
+                arm.failures,
+            )?;
+        }
+    }
+    println!("{out}");
+    Ok(())
 }
 
 /// `bench filter hash|qwen|vllm`: the emulator's instant or BPE tokenizer, or real vLLM.

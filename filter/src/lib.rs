@@ -94,6 +94,8 @@ struct Root {
     posting: Option<(u32, usize)>,
     /// Until when the index is known not to take outcomes (a daemon before them).
     outcomes_refused_until: Option<SystemTime>,
+    /// The last batch failed (logged once, until one succeeds again).
+    outcomes_failing: bool,
 }
 
 impl Root {
@@ -146,8 +148,18 @@ impl Context for Root {
         let Some((_, sent)) = self.posting.take_if(|(token, _)| *token == token_id) else {
             return;
         };
-        match call_status() {
-            Some(200..=299) => {}
+        let status = call_status();
+        if matches!(status, Some(200..=299)) {
+            if self.outcomes_failing {
+                log(LogLevel::Info, "kvaffine: the index takes outcomes again");
+            }
+            self.outcomes_failing = false;
+            return;
+        }
+        if let Some(stats) = &self.stats {
+            stats.outcomes_dropped(sent as u64);
+        }
+        match status {
             Some(404) => {
                 if self.outcomes_refused_until.is_none() {
                     log(
@@ -156,19 +168,18 @@ impl Context for Root {
                     );
                 }
                 self.outcomes_refused_until = Some(now() + PROTOCOL_1_RECHECK);
-                if let Some(stats) = &self.stats {
-                    stats.outcomes_dropped(sent as u64);
-                }
             }
-            status => {
+            // Once per failing spell: the daemon may be down for a while.
+            status if !self.outcomes_failing => {
+                self.outcomes_failing = true;
                 log(
                     LogLevel::Warn,
-                    &format!("kvaffine: the index refused {sent} outcomes: status {status:?}"),
+                    &format!(
+                        "kvaffine: the index refused {sent} outcomes (status {status:?}); dropped and counted until it takes them again"
+                    ),
                 );
-                if let Some(stats) = &self.stats {
-                    stats.outcomes_dropped(sent as u64);
-                }
             }
+            _ => {}
         }
     }
 
@@ -219,9 +230,13 @@ impl RootContext for Root {
                     old.footprint(0, 0);
                 }
                 self.stats = Some(Rc::new(Stats::define()));
-                if config_reports_outcomes(self.config.as_deref()) {
-                    let _ = hostcalls::set_tick_period(Duration::from_secs(1));
-                }
+                // A configuration without outcomes stops the timer an earlier one started.
+                let period = if config_reports_outcomes(self.config.as_deref()) {
+                    Duration::from_secs(1)
+                } else {
+                    Duration::ZERO
+                };
+                let _ = hostcalls::set_tick_period(period);
                 self.digests = Some(Rc::new(RefCell::new(DigestCache::new(
                     DIGEST_CACHE_BLOCKS,
                     secret,

@@ -215,3 +215,22 @@ fn off_by_default_nothing_is_read_or_sent() {
     vm.tick();
     assert!(vm.take_calls().is_empty());
 }
+
+#[test]
+fn a_failing_index_is_warned_about_once_per_spell_and_its_batches_counted() {
+    let mut vm = Vm::load(&filter_wasm(), "kvaffine", CONFIG).expect("the filter loads");
+    let body: &[u8] =
+        br#"{"usage":{"prompt_tokens":33,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+    let warnings = |vm: &Vm| vm.logs().filter(|l| l.contains("refused")).count();
+    for status in ["503", "503", "200", "503"] {
+        let stream = routed(&mut vm, "127.0.0.1:8002", 2);
+        answer(&mut vm, stream, "application/json", &[body]);
+        vm.tick();
+        let calls = vm.take_calls();
+        assert_eq!(calls.len(), 1, "a batch is sent every tick while it fails");
+        respond(&mut vm, &calls[0], status, Vec::new());
+    }
+    assert_eq!(warnings(&vm), 2, "one warning per failing spell");
+    assert!(vm.logs().any(|l| l.contains("takes outcomes again")));
+    assert_eq!(metric(&vm, "outcomes.dropped"), 3);
+}

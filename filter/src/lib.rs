@@ -798,6 +798,12 @@ impl HttpContext for Request {
         ] {
             let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
         }
+        // Nor how long Envoy waits on a replica before trying the next: only the filter's
+        // own bound for streams (`stream_headers_timeout_ms`) is set.
+        if self.gateway().host == Host::Envoy {
+            let _ =
+                hostcalls::remove_map_value(MapType::HttpRequestHeaders, PER_TRY_TIMEOUT_HEADER);
+        }
         self.stats.request();
         let cached = self.digests.try_borrow().map_or(0, |cache| cache.len());
         self.stats.footprint(linear_memory_bytes(), cached as u64);

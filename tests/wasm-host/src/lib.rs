@@ -10,3 +10,16 @@
 
 pub mod gateway;
 pub mod vm;
+
+/// The filter module `cargo xtask test` builds; a test fails, with how to build it, when it
+/// is missing.
+pub fn filter_wasm() -> std::path::PathBuf {
+    let wasm = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/wasm32-wasip1/wasm/kvaffine_filter.wasm");
+    assert!(
+        wasm.exists(),
+        "{} is not built: run `cargo xtask test`",
+        wasm.display()
+    );
+    wasm
+}

@@ -3,21 +3,9 @@
 //! batches from the root's timer; a daemon of the release before outcomes (404) costs
 //! nothing but the outcomes, and routing goes on.
 
-use std::path::{Path, PathBuf};
-
+use kvaffine_wasm_host::filter_wasm;
 use kvaffine_wasm_host::vm::{Action, CallOutcome, CallRequest, Headers, Vm};
 use serde_json::Value;
-
-fn filter_wasm() -> PathBuf {
-    let wasm = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/wasm32-wasip1/wasm/kvaffine_filter.wasm");
-    assert!(
-        wasm.exists(),
-        "{} is not built: run `cargo xtask test`",
-        wasm.display()
-    );
-    wasm
-}
 
 const CONFIG: &[u8] = br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": "127.0.0.1:2",
     "block_size": 16, "host": "kong", "report_outcomes": true}"#;

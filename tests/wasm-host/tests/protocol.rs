@@ -3,20 +3,10 @@
 //! pins from that release's own answer, and asks protocol 1 first from then on. The
 //! protocol-1 answers are the bytes that release's daemon wrote (`core/tests/wire/v1/`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use kvaffine_wasm_host::filter_wasm;
 use kvaffine_wasm_host::vm::{Action, CallOutcome, CallRequest, Headers, Vm};
-
-fn filter_wasm() -> PathBuf {
-    let wasm = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/wasm32-wasip1/wasm/kvaffine_filter.wasm");
-    assert!(
-        wasm.exists(),
-        "{} is not built: run `cargo xtask test`",
-        wasm.display()
-    );
-    wasm
-}
 
 fn released_answer(name: &str) -> Vec<u8> {
     std::fs::read(

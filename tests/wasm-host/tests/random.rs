@@ -1,14 +1,8 @@
 //! The filter's digest-cache key comes from the host's random source: a host whose
 //! `random_get` fails gets its configuration refused, with the reason logged.
 
-use std::path::PathBuf;
-
+use kvaffine_wasm_host::filter_wasm;
 use kvaffine_wasm_host::vm::{RandomSource, Vm};
-
-fn filter_wasm() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/wasm32-wasip1/wasm/kvaffine_filter.wasm")
-}
 
 const CONFIG: &[u8] =
     br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": "127.0.0.1:2", "block_size": 16}"#;
@@ -16,11 +10,6 @@ const CONFIG: &[u8] =
 #[test]
 fn a_broken_random_source_refuses_the_configuration() {
     let wasm = filter_wasm();
-    assert!(
-        wasm.exists(),
-        "{} is not built: run `cargo xtask test`",
-        wasm.display()
-    );
     let refusal = Vm::load_with(&wasm, "kvaffine", CONFIG, RandomSource::Broken)
         .err()
         .map(|e| format!("{e:#}"))

@@ -121,25 +121,28 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !endpoint.stop.load(Ordering::Relaxed) {
         ticker.tick().await;
-        let result = async {
-            let response = client
+        // `/metrics` answers as long as the HTTP server lives; `/health` says whether the
+        // engine behind it does (vLLM answers 503 once its engine core is dead). Both at
+        // once: a slow replica costs one timeout, not two.
+        let metrics = async {
+            client
                 .get(&url)
                 .timeout(timeout)
                 .send()
                 .await?
-                .error_for_status()?;
-            let text = response.text().await?;
-            // `/metrics` answers as long as the HTTP server lives; `/health` says whether
-            // the engine behind it does (vLLM answers 503 once its engine core is dead).
+                .error_for_status()?
+                .text()
+                .await
+        };
+        let health = async {
             client
                 .get(&health_url)
                 .timeout(timeout)
                 .send()
                 .await?
-                .error_for_status()?;
-            Ok::<_, reqwest::Error>(text)
-        }
-        .await;
+                .error_for_status()
+        };
+        let result = tokio::try_join!(metrics, health).map(|(text, _)| text);
         let mut status = endpoint.status.lock();
         match result {
             Ok(text) => {

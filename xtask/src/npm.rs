@@ -193,8 +193,9 @@ pub fn test() -> anyhow::Result<(u64, u64)> {
     let test_file = project.join("keys.test.mjs");
     std::fs::copy(sh::root().join("core/js/test/keys.test.mjs"), &test_file)?;
     let vectors = sh::root().join("../shared/vectors/block_hashes.json");
+    // TAP whatever Node's default reporter is: its `# pass` and `# fail` lines are counted.
     let output = Command::new("node")
-        .arg("--test")
+        .args(["--test", "--test-reporter=tap"])
         .arg(&test_file)
         .env("KVAFFINE_VECTORS", &vectors)
         .current_dir(&project)

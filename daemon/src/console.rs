@@ -34,6 +34,27 @@ const KEYS_WASM: &[u8] = include_bytes!("../ui/keys/kvaffine_keys_bg.wasm");
 
 /// How long the explain tool waits for a replica's tokenizer.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Explains answered at once; more are refused with 503 rather than queued on the
+/// replicas' tokenizers.
+const MAX_EXPLAINS: usize = 4;
+
+/// The page's scripts are its own: nothing else may run or be fetched (the keys module
+/// needs WebAssembly compilation).
+const CONTENT_SECURITY_POLICY: &str = "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; style-src 'self' 'unsafe-inline'; img-src 'self' data:";
+
+/// The tokenizer calls' client and their bound, shared by every explain.
+struct Tokenizer {
+    client: reqwest::Client,
+    slots: tokio::sync::Semaphore,
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    static TOKENIZER: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+    TOKENIZER.get_or_init(|| Tokenizer {
+        client: reqwest::Client::new(),
+        slots: tokio::sync::Semaphore::new(MAX_EXPLAINS),
+    })
+}
 
 /// The page and its assets.
 pub fn routes() -> Router<Arc<Daemon>> {
@@ -43,6 +64,7 @@ pub fn routes() -> Router<Arc<Daemon>> {
                 [
                     (header::CONTENT_TYPE, kind),
                     (header::CACHE_CONTROL, "no-cache"),
+                    (header::CONTENT_SECURITY_POLICY, CONTENT_SECURITY_POLICY),
                 ],
                 body,
             )
@@ -132,8 +154,14 @@ pub async fn explain(
             ));
         }
     };
-    let replica = tokenizer_replica(&daemon, plan.model.as_deref()).ok_or(ApiError::NoReplica)?;
-    let answer = reqwest::Client::new()
+    let replica = tokenizer_replica(&daemon, plan.model.as_deref())?;
+    let tokenizer = tokenizer();
+    let _slot = tokenizer
+        .slots
+        .try_acquire()
+        .map_err(|_| ApiError::Overloaded)?;
+    let answer = tokenizer
+        .client
         .post(format!("http://{replica}{path}"))
         .header(header::CONTENT_TYPE, "application/json")
         .body(call)
@@ -179,8 +207,11 @@ fn compat_name(compat: VllmCompat) -> &'static str {
     }
 }
 
-/// A reachable replica to tokenize at, one serving `model` when the body names one.
-fn tokenizer_replica(daemon: &Daemon, model: Option<&str>) -> Option<String> {
+/// A reachable replica to tokenize at: one serving the body's `model`, or any when the
+/// body names none or names a LoRA adapter (served on its base model, which the replicas'
+/// metrics name). Another model's tokenizer would give other tokens, so a model no
+/// reachable replica serves is refused.
+fn tokenizer_replica(daemon: &Daemon, model: Option<&str>) -> Result<String, ApiError> {
     let endpoints = daemon.endpoints.read();
     let reachable: Vec<_> = endpoints
         .iter()
@@ -189,9 +220,15 @@ fn tokenizer_replica(daemon: &Daemon, model: Option<&str>) -> Option<String> {
             status.load.is_some() && status.scrape_error.is_none()
         })
         .collect();
+    let any = model.is_none_or(|m| daemon.settings.lora_paths.contains_key(m));
     reachable
         .iter()
-        .find(|e| model.is_none_or(|m| e.status.lock().model.as_deref() == Some(m)))
-        .or_else(|| reachable.first())
+        .find(|e| any || e.status.lock().model.as_deref() == model)
         .map(|e| e.spec.endpoint.clone())
+        .ok_or_else(|| match model {
+            Some(model) if !reachable.is_empty() => {
+                ApiError::BadRequest(format!("no reachable replica serves the model {model:?}"))
+            }
+            _ => ApiError::NoReplica,
+        })
 }

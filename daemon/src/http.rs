@@ -225,11 +225,29 @@ async fn record_outcomes(
     let body = body.map_err(|rejection| ApiError::Body(rejection.body_text()))?;
     let batch: kvaffine_core::outcome::Outcomes =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let limit = crate::outcomes::MAX_FIELD_BYTES;
+    if batch.outcomes.iter().any(|o| {
+        [&o.endpoint, &o.reason, &o.mode]
+            .into_iter()
+            .chain(o.model.as_ref())
+            .any(|field| field.len() > limit)
+    }) {
+        return Err(ApiError::BadRequest(format!(
+            "an outcome's endpoint, model, reason or mode is longer than {limit} bytes"
+        )));
+    }
     let count = batch.outcomes.len();
+    let followed: std::collections::HashSet<String> = daemon
+        .endpoints
+        .read()
+        .iter()
+        .map(|e| e.spec.endpoint.clone())
+        .collect();
     daemon.outcomes.lock().record(
         batch.outcomes,
         std::time::SystemTime::now(),
         &daemon.metrics,
+        |endpoint| followed.contains(endpoint),
     );
     Ok(axum::Json(json!({ "recorded": count })).into_response())
 }

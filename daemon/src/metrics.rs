@@ -298,8 +298,9 @@ impl Default for Metrics {
 impl Metrics {
     /// Creates a newly followed stream's series at 0, so that dashboards see a replica's
     /// gaps, restarts and outcomes from the start (a `rate()` needs the zero).
-    /// `endpoint` is the replica's HTTP address, which outcomes and picks name.
-    pub fn follow(&self, label: &EndpointLabel, endpoint: &str) {
+    /// `endpoint` is the replica's HTTP address, which outcomes and picks name; `scraped`
+    /// says the stream is the one its replica's metrics are scraped for (rank 0).
+    pub fn follow(&self, label: &EndpointLabel, endpoint: &str, scraped: bool) {
         for family in [
             &self.decode_errors,
             &self.gaps,
@@ -307,9 +308,11 @@ impl Metrics {
             &self.restarts,
             &self.orphans,
             &self.dropped_entries,
-            &self.replica_cache_hits,
         ] {
             drop(family.get_or_create(label));
+        }
+        if scraped {
+            drop(self.replica_cache_hits.get_or_create(label));
         }
         for family in [
             &self.misconfigured,
@@ -328,6 +331,12 @@ impl Metrics {
             &self.booked_predicted,
         ] {
             drop(family.get_or_create(&http));
+        }
+        for result in crate::outcomes::RESULTS {
+            drop(self.outcomes.get_or_create(&ResultLabel {
+                endpoint: endpoint.to_owned(),
+                result,
+            }));
         }
     }
 

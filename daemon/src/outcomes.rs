@@ -16,9 +16,13 @@ pub const BUCKET_SECONDS: u64 = 10;
 const BUCKETS: usize = 90;
 /// Decisions kept for the console.
 const RECENT: usize = 200;
-/// Replicas with a history; outcomes naming others (a filter configured with more
-/// endpoints than the daemon follows) still count in the metrics.
-const MAX_SERIES: usize = 1024;
+/// The results an outcome is counted under.
+pub const RESULTS: [&str; 3] = ["exact", "over", "under"];
+/// The label of outcomes naming a replica this daemon does not follow: whatever a filter
+/// sends, the series stay one per followed replica.
+const OTHER: &str = "other";
+/// The longest endpoint, model, reason or mode an outcome may carry.
+pub const MAX_FIELD_BYTES: usize = 256;
 
 /// One bucket of one replica's history.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -78,13 +82,23 @@ fn unix_ms(at: SystemTime) -> u64 {
 }
 
 impl OutcomeLog {
-    /// Records `outcomes`, received at `at`, and counts them in `metrics`.
-    pub fn record(&mut self, outcomes: Vec<Outcome>, at: SystemTime, metrics: &Metrics) {
+    /// Records `outcomes`, received at `at`, and counts them in `metrics`; `followed` says
+    /// whether an endpoint is one of the daemon's replicas (others count as `other`).
+    pub fn record(
+        &mut self,
+        outcomes: Vec<Outcome>,
+        at: SystemTime,
+        metrics: &Metrics,
+        followed: impl Fn(&str) -> bool,
+    ) {
         let at_ms = unix_ms(at);
         let start_ms = at_ms - at_ms % (BUCKET_SECONDS * 1000);
-        for outcome in outcomes {
+        for mut outcome in outcomes {
+            if !followed(&outcome.endpoint) {
+                outcome.endpoint = OTHER.to_owned();
+            }
             metrics.count_outcome(&outcome);
-            if self.series.len() < MAX_SERIES || self.series.contains_key(&outcome.endpoint) {
+            {
                 let buckets = self.series.entry(outcome.endpoint.clone()).or_default();
                 if buckets.back().is_none_or(|b| b.start_ms != start_ms) {
                     buckets.push_back(Bucket {
@@ -97,9 +111,13 @@ impl OutcomeLog {
                 }
                 if let Some(bucket) = buckets.back_mut() {
                     bucket.outcomes += 1;
-                    bucket.predicted_tokens += outcome.predicted_tokens;
-                    bucket.cached_tokens += outcome.cached_tokens;
-                    bucket.prompt_tokens += outcome.prompt_tokens;
+                    bucket.predicted_tokens = bucket
+                        .predicted_tokens
+                        .saturating_add(outcome.predicted_tokens);
+                    bucket.cached_tokens =
+                        bucket.cached_tokens.saturating_add(outcome.cached_tokens);
+                    bucket.prompt_tokens =
+                        bucket.prompt_tokens.saturating_add(outcome.prompt_tokens);
                 }
             }
             if self.recent.len() == RECENT {
@@ -148,10 +166,11 @@ impl Metrics {
         self.outcome_error
             .get_or_create(&label)
             .inc_by(predicted.abs_diff(cached));
+        let [exact, over, under] = RESULTS;
         let result = match predicted.cmp(&cached) {
-            std::cmp::Ordering::Equal => "exact",
-            std::cmp::Ordering::Greater => "over",
-            std::cmp::Ordering::Less => "under",
+            std::cmp::Ordering::Equal => exact,
+            std::cmp::Ordering::Greater => over,
+            std::cmp::Ordering::Less => under,
         };
         self.outcomes
             .get_or_create(&ResultLabel {
@@ -184,24 +203,19 @@ mod tests {
         let metrics = Metrics::default();
         let mut log = OutcomeLog::default();
         let t0 = UNIX_EPOCH + Duration::from_secs(1_000_000);
-        log.record(
-            vec![outcome("a:1", 64, 64), outcome("b:1", 0, 16)],
-            t0,
-            &metrics,
-        );
-        log.record(
-            vec![outcome("a:1", 32, 16)],
-            t0 + Duration::from_secs(1),
-            &metrics,
-        );
-        log.record(
-            vec![outcome("a:1", 16, 16)],
-            t0 + Duration::from_secs(20),
-            &metrics,
-        );
+        let followed = |e: &str| e != "c:1";
+        let at = |s| t0 + Duration::from_secs(s);
+        let both = vec![outcome("a:1", 64, 64), outcome("b:1", 0, 16)];
+        log.record(both, t0, &metrics, followed);
+        log.record(vec![outcome("a:1", 32, 16)], at(1), &metrics, followed);
+        log.record(vec![outcome("a:1", 16, 16)], at(20), &metrics, followed);
+        // A replica the daemon does not follow is counted as `other`, not as its own series.
+        let strays = vec![outcome("c:1", u64::MAX, 0), outcome("c:1", u64::MAX, 0)];
+        log.record(strays, at(21), &metrics, followed);
         let view = log.view(t0 + Duration::from_secs(30));
-        assert_eq!(view.recent.len(), 4);
-        assert_eq!(view.recent[0].outcome.predicted_tokens, 16);
+        assert_eq!(view.recent.len(), 6);
+        assert_eq!(view.recent[0].outcome.endpoint, "other");
+        assert_eq!(view.recent[2].outcome.predicted_tokens, 16);
         let a = &view.series[0];
         assert_eq!(a.endpoint, "a:1");
         assert_eq!(a.buckets.len(), 2);
@@ -223,6 +237,12 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }
+        assert!(!text.contains("c:1"));
+        assert_eq!(
+            view.series[2].buckets[0].predicted_tokens,
+            u64::MAX,
+            "saturated, not wrapped"
+        );
         // An old history ages out of the view.
         assert!(
             log.view(t0 + Duration::from_secs(3600)).series[0]

@@ -190,9 +190,11 @@ impl Fleet {
             stop: AtomicBool::new(false),
             ingest: Mutex::new(None),
         });
-        self.daemon
-            .metrics
-            .follow(&endpoint.label, &endpoint.spec.endpoint);
+        self.daemon.metrics.follow(
+            &endpoint.label,
+            &endpoint.spec.endpoint,
+            endpoint.spec.rank == 0,
+        );
         let streams = {
             let mut endpoints = self.daemon.endpoints.write();
             endpoints.push(endpoint.clone());
@@ -219,9 +221,6 @@ impl Fleet {
     async fn remove(&self, endpoint: &Arc<Endpoint>) {
         info!(endpoint = %endpoint.label.endpoint, "no longer configured: purging its blocks");
         endpoint.stop.store(true, Ordering::Relaxed);
-        self.daemon
-            .metrics
-            .follow(&endpoint.label, &endpoint.spec.endpoint);
         let streams = {
             let mut endpoints = self.daemon.endpoints.write();
             endpoints.retain(|e| !Arc::ptr_eq(e, endpoint));

@@ -8,7 +8,11 @@ const REFRESH_MS = 2000;
 // The token, when the index needs one: from the URL fragment (never sent to a server) or
 // typed in, kept for this tab only.
 const fragment = new URLSearchParams(location.hash.slice(1));
-if (fragment.get("token")) sessionStorage.setItem("kvaffine-token", fragment.get("token"));
+if (fragment.get("token")) {
+  sessionStorage.setItem("kvaffine-token", fragment.get("token"));
+  // Out of the address bar and the history: a link copied from here carries no token.
+  history.replaceState(null, "", location.pathname + location.search);
+}
 $("token").value = sessionStorage.getItem("kvaffine-token") || "";
 $("token").addEventListener("change", () => {
   sessionStorage.setItem("kvaffine-token", $("token").value);

@@ -90,8 +90,9 @@ struct Root {
     /// Until when the index is known to speak protocol 1 only.
     protocol_1_until: Rc<Cell<Option<SystemTime>>>,
     outcomes: OutcomeQueue,
-    /// The `POST /v1/outcomes` in flight, and how many outcomes it carries.
-    posting: Option<(u32, usize)>,
+    /// The `POST /v1/outcomes` in flight: its token, how many outcomes it carries, and
+    /// when it was sent (a host that never answers does not stop the batches for good).
+    posting: Option<(u32, usize, SystemTime)>,
     /// Until when the index is known not to take outcomes (a daemon before them).
     outcomes_refused_until: Option<SystemTime>,
     /// The last batch failed (logged once, until one succeeds again).
@@ -104,8 +105,14 @@ impl Root {
         let (Some(config), Some(stats)) = (&self.config, &self.stats) else {
             return;
         };
-        if self.posting.is_some() {
-            return;
+        let deadline = Duration::from_millis(config.gateway.timeout_ms.saturating_mul(2));
+        match self.posting {
+            Some((_, sent, at)) if now().duration_since(at).is_ok_and(|d| d > deadline) => {
+                stats.outcomes_dropped(sent as u64);
+                self.posting = None;
+            }
+            Some(_) => return,
+            None => {}
         }
         let Ok(mut queue) = self.outcomes.try_borrow_mut() else {
             return;
@@ -138,14 +145,14 @@ impl Root {
             config.index_token.as_deref(),
         ) {
             queue.drain(..take);
-            self.posting = Some((token, take));
+            self.posting = Some((token, take, now()));
         }
     }
 }
 
 impl Context for Root {
     fn on_http_call_response(&mut self, token_id: u32, _: usize, _: usize, _: usize) {
-        let Some((_, sent)) = self.posting.take_if(|(token, _)| *token == token_id) else {
+        let Some((_, sent, _)) = self.posting.take_if(|(token, ..)| *token == token_id) else {
             return;
         };
         let status = call_status();
@@ -154,6 +161,8 @@ impl Context for Root {
                 log(LogLevel::Info, "kvaffine: the index takes outcomes again");
             }
             self.outcomes_failing = false;
+            // More than a batch waiting (a busy worker): the next goes now, not next tick.
+            self.send_outcomes();
             return;
         }
         if let Some(stats) = &self.stats {
@@ -482,6 +491,14 @@ impl Request {
                 .flatten()
         };
         if header(":status").is_none_or(|s| s != b"200") {
+            return;
+        }
+        // A retry may have taken the request to another replica (Envoy says which answered;
+        // Kong does not, and cannot retry elsewhere): its cache is not the one predicted.
+        let answered = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten();
+        if answered.is_some_and(|address| address != endpoint.as_bytes()) {
             return;
         }
         let streamed = header("content-type").is_some_and(|t| t.starts_with(b"text/event-stream"));

@@ -93,6 +93,18 @@ fn the_console_explains_the_prefix_a_conversation_left_on_its_replica() {
         b"",
     );
     assert_eq!(wasm.header("content-type"), Some("application/wasm"));
+    // Another model's tokenizer would give other tokens: a model no replica serves is
+    // refused, not explained with the wrong one.
+    let other = json!({"body": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}});
+    let refused = send(
+        &stack.daemon_addr,
+        "POST",
+        "/v1/explain",
+        &[("content-type", "application/json")],
+        other.to_string().as_bytes(),
+    );
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(refused.body.contains("no-such-model"), "{}", refused.body);
 
     let url = format!(
         "http://{}/ui?explain={}",

@@ -752,4 +752,26 @@ fn predictions_are_compared_with_what_the_replicas_served() {
         stack.daemon_metric("kvaffined_booked_predicted_cached_tokens_total") as u64,
         predicted
     );
+
+    // Whatever a sender names, the series stay one per followed replica, and no field is
+    // longer than 256 bytes.
+    let outcome = |endpoint: &str| {
+        json!({"outcomes": [{"endpoint": endpoint, "reason": "prefix", "mode": "precise",
+            "predicted_tokens": 1, "cached_tokens": 1, "prompt_tokens": 2}]})
+        .to_string()
+    };
+    let post = |body: String| {
+        send(
+            &stack.daemon_addr,
+            "POST",
+            "/v1/outcomes",
+            &[("content-type", "application/json")],
+            body.as_bytes(),
+        )
+    };
+    assert_eq!(post(outcome(&"x".repeat(300))).status, 400);
+    assert_eq!(post(outcome("10.9.9.9:1")).status, 200);
+    let metrics = send(&stack.daemon_addr, "GET", "/metrics", &[], b"").body;
+    assert!(!metrics.contains("10.9.9.9"));
+    assert!(metrics.contains("kvaffined_outcomes_total{endpoint=\"other\",result=\"exact\"} 1"));
 }

@@ -542,8 +542,10 @@ impl Daemon {
                     .get_or_create(&EndpointLabel {
                         endpoint: record.endpoint.clone(),
                     })
+                    // What it can serve: its events' confirmed prefix, bookings left out
+                    // (the prediction the filter reports too).
                     .inc_by(
-                        u64::from(record.matched_blocks) * self.settings.keys.block_size() as u64,
+                        u64::from(record.indexed_blocks) * self.settings.keys.block_size() as u64,
                     );
                 let ttl = booking
                     .ttl_ms

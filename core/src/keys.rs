@@ -168,6 +168,16 @@ pub enum VllmCompat {
     V0_31,
 }
 
+impl VllmCompat {
+    /// The spelling `--vllm-compat` and the filter's `vllm_compat` take.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V0_30 => "0.30",
+            Self::V0_31 => "0.31",
+        }
+    }
+}
+
 impl FromStr for VllmCompat {
     type Err = KeyConfigError;
 

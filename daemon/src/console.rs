@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use kvaffine_core::config::{Mode, RoutingConfig};
 use kvaffine_core::plan::{self, Action};
-use kvaffine_core::{VllmCompat, tokens};
+use kvaffine_core::tokens;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -120,7 +120,7 @@ pub async fn explain(
         "block_size": keys.block_size(),
         "hash_algo": keys.algo().as_str(),
         "hash_seed": daemon.settings.hash_seed,
-        "vllm_compat": compat_name(keys.compat()),
+        "vllm_compat": keys.compat().as_str(),
         "loras": daemon.settings.lora_paths,
     });
     if let Some(chat_tokenize) = &request.chat_tokenize {
@@ -191,20 +191,13 @@ pub async fn explain(
             "blockSize": keys.block_size(),
             "hashAlgo": keys.algo().as_str(),
             "hashSeed": daemon.settings.hash_seed,
-            "vllmCompat": compat_name(keys.compat()),
+            "vllmCompat": keys.compat().as_str(),
             "cacheSalt": extras.cache_salt.as_ref().map(|s| s.as_str()),
             "loraName": extras.lora.as_ref().map(|l| l.name.as_str()),
             "loraPath": extras.lora.as_ref().map(|l| l.path.as_str()),
         },
     }))
     .into_response())
-}
-
-fn compat_name(compat: VllmCompat) -> &'static str {
-    match compat {
-        VllmCompat::V0_30 => "0.30",
-        VllmCompat::V0_31 => "0.31",
-    }
 }
 
 /// A reachable replica to tokenize at: one serving the body's `model`, or any when the

@@ -39,6 +39,18 @@ pub struct Bucket {
     pub prompt_tokens: u64,
 }
 
+impl Bucket {
+    /// Counts `outcome` in (sums saturate: the figures come from senders).
+    fn add(&mut self, outcome: &Outcome) {
+        self.outcomes += 1;
+        self.predicted_tokens = self
+            .predicted_tokens
+            .saturating_add(outcome.predicted_tokens);
+        self.cached_tokens = self.cached_tokens.saturating_add(outcome.cached_tokens);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(outcome.prompt_tokens);
+    }
+}
+
 /// A reported outcome, stamped with when the daemon received it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Decision {
@@ -98,27 +110,18 @@ impl OutcomeLog {
                 outcome.endpoint = OTHER.to_owned();
             }
             metrics.count_outcome(&outcome);
-            {
-                let buckets = self.series.entry(outcome.endpoint.clone()).or_default();
-                if buckets.back().is_none_or(|b| b.start_ms != start_ms) {
-                    buckets.push_back(Bucket {
-                        start_ms,
-                        ..Bucket::default()
-                    });
-                }
-                while buckets.len() > BUCKETS {
+            let buckets = self.series.entry(outcome.endpoint.clone()).or_default();
+            if buckets.back().is_none_or(|b| b.start_ms != start_ms) {
+                buckets.push_back(Bucket {
+                    start_ms,
+                    ..Bucket::default()
+                });
+                if buckets.len() > BUCKETS {
                     buckets.pop_front();
                 }
-                if let Some(bucket) = buckets.back_mut() {
-                    bucket.outcomes += 1;
-                    bucket.predicted_tokens = bucket
-                        .predicted_tokens
-                        .saturating_add(outcome.predicted_tokens);
-                    bucket.cached_tokens =
-                        bucket.cached_tokens.saturating_add(outcome.cached_tokens);
-                    bucket.prompt_tokens =
-                        bucket.prompt_tokens.saturating_add(outcome.prompt_tokens);
-                }
+            }
+            if let Some(bucket) = buckets.back_mut() {
+                bucket.add(&outcome);
             }
             if self.recent.len() == RECENT {
                 self.recent.pop_back();

@@ -463,17 +463,6 @@ impl Request {
         }
     }
 
-    fn callout(
-        &self,
-        cluster: &str,
-        authority: &str,
-        path: &str,
-        body: &[u8],
-        bearer: Option<&str>,
-    ) -> Option<u32> {
-        callout(self.gateway(), cluster, authority, path, body, bearer)
-    }
-
     /// Starts following the answer of a request pinned in precise mode.
     fn watch_answer(&mut self) {
         let (Some(decision), Some(api)) = (&self.outcome, self.api) else {
@@ -576,7 +565,8 @@ impl Request {
             Protocol::V1 => (v1::LOOKUP_PATH, v1::Request::from(&request).to_json()),
         };
         let gateway = self.gateway();
-        match self.callout(
+        match callout(
+            gateway,
             &gateway.index_cluster,
             gateway.index_authority(),
             path,
@@ -611,7 +601,8 @@ impl Request {
             Step::Approximate(keys) => self.lookup(Query::Text(keys)),
             Step::Tokenize { path, body: call } => {
                 let gateway = self.gateway();
-                match self.callout(
+                match callout(
+                    gateway,
                     &gateway.tokenizer_cluster,
                     gateway.tokenizer_authority(),
                     path,

@@ -23,3 +23,20 @@ pub fn filter_wasm() -> std::path::PathBuf {
     );
     wasm
 }
+
+/// Opens a completions request whose prompt is 33 token ids (two full 16-token blocks, no
+/// tokenizer call) and runs it to its lookup: the stream, paused on that callout.
+pub fn open_token_prompt(vm: &mut vm::Vm) -> u32 {
+    let body = br#"{"model":"tiny","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33]}"#.to_vec();
+    let headers: vm::Headers = vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), b"/v1/completions".to_vec()),
+        (":authority".into(), b"gateway".to_vec()),
+        ("content-length".into(), body.len().to_string().into_bytes()),
+    ];
+    let size = body.len();
+    let stream = vm.open_stream(headers, Some(body)).expect("a stream");
+    assert_eq!(vm.on_request_headers(stream), Some(vm::Action::Pause));
+    assert_eq!(vm.on_request_body(stream, size), Some(vm::Action::Pause));
+    stream
+}

@@ -72,6 +72,17 @@ pub struct CallRequest {
     pub timeout: Duration,
 }
 
+impl CallRequest {
+    /// The call's `:path`.
+    pub fn path(&self) -> String {
+        self.headers
+            .iter()
+            .find(|(name, _)| name == ":path")
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default()
+    }
+}
+
 /// The outcome of a callout, as Kong reports it to the filter.
 #[derive(Clone, Debug)]
 pub enum CallOutcome {
@@ -380,6 +391,17 @@ impl Vm {
         self.store.data_mut().effective = ROOT_CONTEXT;
         let result = self.exports.tick.call(&mut self.store, ROOT_CONTEXT as i32);
         self.guard(result);
+    }
+
+    /// Answers `call` with `status` and `body`, as its upstream would.
+    pub fn respond(&mut self, call: &CallRequest, status: &str, body: Vec<u8>) {
+        self.on_http_call_response(
+            call,
+            CallOutcome::Response {
+                headers: vec![(":status".into(), status.as_bytes().to_vec())],
+                body,
+            },
+        );
     }
 
     /// Delivers a callout's outcome to the filter.

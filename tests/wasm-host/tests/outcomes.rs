@@ -3,8 +3,8 @@
 //! batches from the root's timer; a daemon of the release before outcomes (404) costs
 //! nothing but the outcomes, and routing goes on.
 
-use kvaffine_wasm_host::filter_wasm;
-use kvaffine_wasm_host::vm::{Action, CallOutcome, CallRequest, Headers, Vm};
+use kvaffine_wasm_host::vm::{Action, Vm};
+use kvaffine_wasm_host::{filter_wasm, open_token_prompt};
 use serde_json::Value;
 
 const CONFIG: &[u8] = br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": "127.0.0.1:2",
@@ -13,36 +13,16 @@ const CONFIG: &[u8] = br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": 
 /// A completions request with 33 token ids (two servable blocks), pinned to `endpoint`
 /// with `matched` blocks.
 fn routed(vm: &mut Vm, endpoint: &str, matched: u32) -> u32 {
-    let body = br#"{"model":"tiny","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33]}"#.to_vec();
-    let headers: Headers = vec![
-        (":method".into(), b"POST".to_vec()),
-        (":path".into(), b"/v1/completions".to_vec()),
-        (":authority".into(), b"gateway".to_vec()),
-        ("content-length".into(), body.len().to_string().into_bytes()),
-    ];
-    let size = body.len();
-    let stream = vm.open_stream(headers, Some(body)).expect("a stream");
-    assert_eq!(vm.on_request_headers(stream), Some(Action::Pause));
-    assert_eq!(vm.on_request_body(stream, size), Some(Action::Pause));
+    let stream = open_token_prompt(vm);
     let calls = vm.take_calls();
     assert_eq!(calls.len(), 1, "the lookup");
     let answer = format!(
         r#"{{"candidates":[{{"endpoint":"{endpoint}","matched_blocks":{matched}}}],"reason":"prefix","complete":true}}"#
     );
-    respond(vm, &calls[0], "200", answer.into_bytes());
+    vm.respond(&calls[0], "200", answer.into_bytes());
     let state = vm.stream_state(stream).expect("the stream");
     assert!(state.resumed);
     stream
-}
-
-fn respond(vm: &mut Vm, call: &CallRequest, status: &str, body: Vec<u8>) {
-    vm.on_http_call_response(
-        call,
-        CallOutcome::Response {
-            headers: vec![(":status".into(), status.as_bytes().to_vec())],
-            body,
-        },
-    );
 }
 
 /// The replica's answer, in `chunks`, each of which must pass on unchanged.
@@ -75,14 +55,6 @@ fn metric(vm: &Vm, name: &str) -> i64 {
         .iter()
         .find(|m| m.name == format!("pw.kvaffine.kvaffine.{name}"))
         .map_or(0, |m| m.value)
-}
-
-fn path(call: &CallRequest) -> String {
-    call.headers
-        .iter()
-        .find(|(name, _)| name == ":path")
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-        .unwrap_or_default()
 }
 
 #[test]
@@ -141,7 +113,7 @@ fn outcomes_are_counted_per_replica_and_sent_in_batches() {
     vm.tick();
     let calls = vm.take_calls();
     assert_eq!(calls.len(), 1);
-    assert_eq!(path(&calls[0]), "/v1/outcomes");
+    assert_eq!(calls[0].path(), "/v1/outcomes");
     let batch: Value = serde_json::from_slice(&calls[0].body).unwrap();
     let outcomes = batch["outcomes"].as_array().unwrap();
     assert_eq!(outcomes.len(), 2, "{batch}");
@@ -155,7 +127,7 @@ fn outcomes_are_counted_per_replica_and_sent_in_batches() {
     // One batch at a time.
     vm.tick();
     assert!(vm.take_calls().is_empty());
-    respond(&mut vm, &calls[0], "200", br#"{"recorded":2}"#.to_vec());
+    vm.respond(&calls[0], "200", br#"{"recorded":2}"#.to_vec());
     vm.tick();
     assert!(vm.take_calls().is_empty(), "nothing left to send");
 }
@@ -170,7 +142,7 @@ fn a_daemon_without_outcomes_still_routes_and_the_outcomes_are_dropped_counted()
     vm.tick();
     let calls = vm.take_calls();
     assert_eq!(calls.len(), 1);
-    respond(&mut vm, &calls[0], "404", Vec::new());
+    vm.respond(&calls[0], "404", Vec::new());
     assert!(
         vm.logs().any(|l| l.contains("/v1/outcomes")),
         "the older daemon is logged"
@@ -216,7 +188,7 @@ fn a_failing_index_is_warned_about_once_per_spell_and_its_batches_counted() {
         vm.tick();
         let calls = vm.take_calls();
         assert_eq!(calls.len(), 1, "a batch is sent every tick while it fails");
-        respond(&mut vm, &calls[0], status, Vec::new());
+        vm.respond(&calls[0], status, Vec::new());
     }
     assert_eq!(warnings(&vm), 2, "one warning per failing spell");
     assert!(vm.logs().any(|l| l.contains("takes outcomes again")));

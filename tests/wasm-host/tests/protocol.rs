@@ -5,8 +5,8 @@
 
 use std::path::Path;
 
-use kvaffine_wasm_host::filter_wasm;
-use kvaffine_wasm_host::vm::{Action, CallOutcome, CallRequest, Headers, Vm};
+use kvaffine_wasm_host::vm::{CallRequest, Vm};
+use kvaffine_wasm_host::{filter_wasm, open_token_prompt};
 
 fn released_answer(name: &str) -> Vec<u8> {
     std::fs::read(
@@ -20,44 +20,10 @@ fn released_answer(name: &str) -> Vec<u8> {
 const CONFIG: &[u8] = br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": "127.0.0.1:2",
     "block_size": 16, "host": "kong"}"#;
 
-/// A completions request with token ids: no tokenizer call, straight to the lookup.
-fn open(vm: &mut Vm) -> u32 {
-    let body = br#"{"model":"tiny","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33]}"#.to_vec();
-    let headers: Headers = vec![
-        (":method".into(), b"POST".to_vec()),
-        (":path".into(), b"/v1/completions".to_vec()),
-        (":authority".into(), b"gateway".to_vec()),
-        ("content-length".into(), body.len().to_string().into_bytes()),
-    ];
-    let size = body.len();
-    let stream = vm.open_stream(headers, Some(body)).expect("a stream");
-    assert_eq!(vm.on_request_headers(stream), Some(Action::Pause));
-    assert_eq!(vm.on_request_body(stream, size), Some(Action::Pause));
-    stream
-}
-
 fn one_call(vm: &mut Vm) -> CallRequest {
     let mut calls = vm.take_calls();
     assert_eq!(calls.len(), 1, "one callout in flight");
     calls.remove(0)
-}
-
-fn path(call: &CallRequest) -> String {
-    call.headers
-        .iter()
-        .find(|(name, _)| name == ":path")
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-        .unwrap_or_default()
-}
-
-fn answer(vm: &mut Vm, call: &CallRequest, status: &str, body: Vec<u8>) {
-    vm.on_http_call_response(
-        call,
-        CallOutcome::Response {
-            headers: vec![(":status".into(), status.as_bytes().to_vec())],
-            body,
-        },
-    );
 }
 
 fn target(vm: &Vm, stream: u32) -> Option<String> {
@@ -72,32 +38,27 @@ fn target(vm: &Vm, stream: u32) -> Option<String> {
 #[test]
 fn a_daemon_of_protocol_1_is_asked_again_in_protocol_1_and_routes() {
     let mut vm = Vm::load(&filter_wasm(), "kvaffine", CONFIG).expect("the filter loads");
-    let stream = open(&mut vm);
+    let stream = open_token_prompt(&mut vm);
     let first = one_call(&mut vm);
-    assert_eq!(path(&first), "/v2/lookup");
+    assert_eq!(first.path(), "/v2/lookup");
     let asked: serde_json::Value = serde_json::from_slice(&first.body).unwrap();
     assert_eq!(asked["candidates"], 2, "the pick and one fallback: {asked}");
     assert_eq!(asked["blocks"].as_array().map(Vec::len), Some(2), "{asked}");
-    answer(&mut vm, &first, "404", Vec::new());
+    vm.respond(&first, "404", Vec::new());
     let again = one_call(&mut vm);
-    assert_eq!(path(&again), "/v1/lookup");
+    assert_eq!(again.path(), "/v1/lookup");
     let v1: serde_json::Value = serde_json::from_slice(&again.body).unwrap();
     assert_eq!(v1["keys"], asked["blocks"], "the same lookup: {v1}");
     assert_eq!(v1["model"], "tiny");
-    answer(
-        &mut vm,
-        &again,
-        "200",
-        released_answer("answer-prefix.json"),
-    );
+    vm.respond(&again, "200", released_answer("answer-prefix.json"));
     assert_eq!(target(&vm, stream).as_deref(), Some("127.0.0.1:8001"));
     vm.close_stream(stream);
 
     // Remembered: the next request asks protocol 1 first.
-    let stream = open(&mut vm);
+    let stream = open_token_prompt(&mut vm);
     let next = one_call(&mut vm);
-    assert_eq!(path(&next), "/v1/lookup");
-    answer(&mut vm, &next, "200", released_answer("answer-load.json"));
+    assert_eq!(next.path(), "/v1/lookup");
+    vm.respond(&next, "200", released_answer("answer-load.json"));
     assert_eq!(target(&vm, stream).as_deref(), Some("127.0.0.1:8000"));
     assert!(
         vm.logs().any(|l| l.contains("/v1/lookup")),
@@ -108,11 +69,11 @@ fn a_daemon_of_protocol_1_is_asked_again_in_protocol_1_and_routes() {
 #[test]
 fn a_current_daemon_is_asked_in_protocol_2_and_its_reason_is_reported() {
     let mut vm = Vm::load(&filter_wasm(), "kvaffine", CONFIG).expect("the filter loads");
-    let stream = open(&mut vm);
+    let stream = open_token_prompt(&mut vm);
     let call = one_call(&mut vm);
-    assert_eq!(path(&call), "/v2/lookup");
+    assert_eq!(call.path(), "/v2/lookup");
     let v2 = br#"{"candidates":[{"endpoint":"127.0.0.1:8002","matched_blocks":1}],"reason":"saturated","complete":true}"#;
-    answer(&mut vm, &call, "200", v2.to_vec());
+    vm.respond(&call, "200", v2.to_vec());
     assert_eq!(target(&vm, stream).as_deref(), Some("127.0.0.1:8002"));
     let headers = vm
         .on_response_headers(stream, vec![(":status".into(), b"200".to_vec())])

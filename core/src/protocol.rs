@@ -152,6 +152,12 @@ pub struct LookupAnswer {
     /// The replica booked, when booking was asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub booked: Option<String>,
+    /// Where the next tokenizer callout for this model is cheapest: the replica a request
+    /// with nothing cached would be ranked first at, the least busy by the daemon's view
+    /// of load (the gateway's own balancer on the tokenizer cluster sees only tokenizer
+    /// calls). Absent when no replica is usable, and from daemons before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenize_at: Option<String>,
 }
 
 fn yes() -> bool {
@@ -206,6 +212,79 @@ impl Pick {
     /// The endpoint header value: comma-separated, as override_host reads it.
     pub fn header_value(&self) -> String {
         self.endpoints.join(",")
+    }
+}
+
+/// Each model's latest tokenizer hint ([`LookupAnswer::tokenize_at`]) while it is fresh:
+/// the filter sends a tokenizer callout there before its own lookup says anything, so the
+/// hint comes from the answers to earlier requests. A stale hint (quiet traffic) is no
+/// hint: the gateway's balancer chooses.
+#[derive(Debug)]
+pub struct TokenizerHints {
+    /// (model, endpoint, when noted in ms), at most [`Self::MAX_MODELS`].
+    hints: Vec<(Option<String>, String, u64)>,
+    max_age_ms: u64,
+}
+
+impl Default for TokenizerHints {
+    /// Hints used for two seconds: under traffic every lookup renews them, and two seconds
+    /// is four of kvaffined's default scrapes, within which it notices a frozen replica.
+    fn default() -> Self {
+        Self::new(2_000)
+    }
+}
+
+impl TokenizerHints {
+    /// Models remembered; past it the oldest hint goes.
+    pub const MAX_MODELS: usize = 64;
+
+    /// Hints used for `max_age_ms` after they are noted.
+    pub fn new(max_age_ms: u64) -> Self {
+        Self {
+            hints: Vec::new(),
+            max_age_ms,
+        }
+    }
+
+    /// Notes an answer's hint for `model`; an answer without one (an older daemon, no
+    /// usable replica) forgets the model's last.
+    pub fn note(&mut self, model: Option<&str>, answer: &LookupAnswer, now_ms: u64) {
+        let at = self.hints.iter().position(|(m, ..)| m.as_deref() == model);
+        match (
+            answer.tokenize_at.as_deref().filter(|e| valid_endpoint(e)),
+            at,
+        ) {
+            (Some(endpoint), Some(i)) => {
+                if let Some(hint) = self.hints.get_mut(i) {
+                    endpoint.clone_into(&mut hint.1);
+                    hint.2 = now_ms;
+                }
+            }
+            (Some(endpoint), None) => {
+                if self.hints.len() >= Self::MAX_MODELS {
+                    let oldest = self.hints.iter().enumerate().min_by_key(|(_, h)| h.2);
+                    if let Some(i) = oldest.map(|(i, _)| i) {
+                        self.hints.swap_remove(i);
+                    }
+                }
+                self.hints
+                    .push((model.map(str::to_owned), endpoint.to_owned(), now_ms));
+            }
+            (None, Some(i)) => {
+                self.hints.swap_remove(i);
+            }
+            (None, None) => {}
+        }
+    }
+
+    /// The endpoint to tokenize `model`'s next request at, if a fresh hint names one.
+    pub fn get(&self, model: Option<&str>, now_ms: u64) -> Option<&str> {
+        self.hints
+            .iter()
+            .find(|(m, _, at)| {
+                m.as_deref() == model && now_ms.saturating_sub(*at) <= self.max_age_ms
+            })
+            .map(|(_, endpoint, _)| endpoint.as_str())
     }
 }
 
@@ -331,6 +410,7 @@ pub mod v1 {
             reason: answer.reason.unwrap_or(Reason::Other),
             complete: answer.index.as_deref() != Some("incomplete"),
             booked: answer.booked,
+            tokenize_at: None,
         })
     }
 }
@@ -383,6 +463,37 @@ mod tests {
             Pick::from_answer(&unknown, 0).unwrap().reason,
             Reason::Other
         );
+    }
+
+    #[test]
+    fn tokenizer_hints_are_per_model_checked_and_expire() {
+        let hint = |at: &str| {
+            answer(&format!(
+                r#"{{"candidates":[],"reason":"load","tokenize_at":"{at}"}}"#
+            ))
+        };
+        let mut hints = TokenizerHints::new(2_000);
+        hints.note(Some("a"), &hint("10.0.0.1:8000"), 1_000);
+        hints.note(None, &hint("10.0.0.2:8000"), 1_000);
+        hints.note(Some("b"), &hint("evil host:80"), 1_000);
+        assert_eq!(hints.get(Some("a"), 3_000), Some("10.0.0.1:8000"));
+        assert_eq!(hints.get(None, 1_500), Some("10.0.0.2:8000"));
+        assert_eq!(hints.get(Some("b"), 1_000), None);
+        assert_eq!(hints.get(Some("a"), 3_001), None);
+        hints.note(Some("a"), &hint("10.0.0.3:8000"), 4_000);
+        assert_eq!(hints.get(Some("a"), 4_000), Some("10.0.0.3:8000"));
+        // An answer without a hint forgets the model's last.
+        hints.note(
+            Some("a"),
+            &answer(r#"{"candidates":[],"reason":"load"}"#),
+            4_100,
+        );
+        assert_eq!(hints.get(Some("a"), 4_100), None);
+        for i in 0..=TokenizerHints::MAX_MODELS as u64 {
+            hints.note(Some(&format!("m{i}")), &hint("10.0.0.4:8000"), 5_000 + i);
+        }
+        assert_eq!(hints.hints.len(), TokenizerHints::MAX_MODELS);
+        assert_eq!(hints.get(Some("m0"), 5_100), None);
     }
 
     #[test]

@@ -217,6 +217,8 @@ pub struct Ranking {
     pub reason: Reason,
     /// Every endpoint's index is complete.
     pub complete: bool,
+    /// Where a request with nothing cached would go first (the filter's tokenizer hint).
+    pub tokenize_at: Option<String>,
 }
 
 impl Ranking {
@@ -236,6 +238,7 @@ impl Ranking {
             reason: self.reason,
             complete: self.complete,
             booked,
+            tokenize_at: self.tokenize_at.clone(),
         }
     }
 
@@ -364,7 +367,23 @@ impl Daemon {
             .settings
             .policy
             .rank(request.query.len(), &candidates, turn);
+        // The least busy usable replica: the same ranking for a request with nothing
+        // cached anywhere.
+        let uncached: Vec<Candidate> = candidates
+            .iter()
+            .map(|c| Candidate {
+                matched_blocks: 0,
+                ..*c
+            })
+            .collect();
+        let (by_load, _) = self.settings.policy.rank(0, &uncached, turn);
+        let tokenize_at = by_load
+            .first()
+            .filter(|&&i| uncached.get(i).is_some_and(|c| c.usable && !c.gone))
+            .and_then(|&i| replicas.get(*rankable.get(i)?))
+            .map(|r| r.record.endpoint.clone());
         Ranking {
+            tokenize_at,
             complete: replicas.iter().all(|r| r.record.complete),
             order: order
                 .into_iter()

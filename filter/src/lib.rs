@@ -29,7 +29,7 @@ use kvaffine_core::api::Api;
 use kvaffine_core::config::{Mode, Router};
 use kvaffine_core::outcome::{self, Outcome, Outcomes, StreamUsage};
 use kvaffine_core::plan::{self, Action as Step, Plan};
-use kvaffine_core::protocol::{self, Booking, LookupRequest, Pick, Query, v1};
+use kvaffine_core::protocol::{self, Booking, LookupRequest, Pick, Query, TokenizerHints, v1};
 use kvaffine_core::{DigestCache, Reason, tokens};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -82,6 +82,9 @@ const MAX_EVENT_LINE_BYTES: usize = 1024 * 1024;
 /// Outcomes of this VM's requests, oldest first, until the root sends them.
 type OutcomeQueue = Rc<RefCell<VecDeque<Outcome>>>;
 
+/// Where this VM's next tokenizer callouts go, from the index's latest answers.
+type SharedHints = Rc<RefCell<TokenizerHints>>;
+
 #[derive(Default)]
 struct Root {
     config: Option<Rc<FilterConfig>>,
@@ -90,6 +93,7 @@ struct Root {
     /// Until when the index is known to speak protocol 1 only.
     protocol_1_until: Rc<Cell<Option<SystemTime>>>,
     outcomes: OutcomeQueue,
+    tokenizer_hints: SharedHints,
     /// The `POST /v1/outcomes` in flight: its token, how many outcomes it carries, and
     /// when it was sent (a host that never answers does not stop the batches for good).
     posting: Option<(u32, usize, SystemTime)>,
@@ -143,6 +147,7 @@ impl Root {
             outcome::OUTCOMES_PATH,
             &batch.to_json(),
             config.index_token.as_deref(),
+            None,
         ) {
             queue.drain(..take);
             self.posting = Some((token, take, now()));
@@ -277,6 +282,7 @@ impl RootContext for Root {
             outcome: None,
             api: None,
             outcomes: self.outcomes.clone(),
+            tokenizer_hints: self.tokenizer_hints.clone(),
             watch: None,
         }))
     }
@@ -355,6 +361,7 @@ struct Request {
     /// The API of a routed request (its answer's usage is read by it).
     api: Option<Api>,
     outcomes: OutcomeQueue,
+    tokenizer_hints: SharedHints,
     watch: Option<Watch>,
 }
 
@@ -377,6 +384,13 @@ fn log(level: LogLevel, message: &str) {
 
 fn now() -> SystemTime {
     hostcalls::get_current_time().unwrap_or(SystemTime::UNIX_EPOCH)
+}
+
+/// The host's clock in milliseconds since the epoch.
+fn now_ms() -> u64 {
+    now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64)
 }
 
 fn elapsed_us(since: SystemTime) -> u64 {
@@ -572,6 +586,7 @@ impl Request {
             path,
             &body,
             self.config.index_token.as_deref(),
+            None,
         ) {
             Some(token) => {
                 self.phase = Phase::LookingUp {
@@ -601,6 +616,19 @@ impl Request {
             Step::Approximate(keys) => self.lookup(Query::Text(keys)),
             Step::Tokenize { path, body: call } => {
                 let gateway = self.gateway();
+                // On Envoy the tokenizer cluster's override_host policy reads the same
+                // header as the pool's; a cluster without it ignores the header and
+                // balances as before. Kong calls its configured target.
+                let hint =
+                    match gateway.host {
+                        Host::Envoy => self.tokenizer_hints.try_borrow().ok().and_then(|h| {
+                            h.get(self.model.as_deref(), now_ms()).map(str::to_owned)
+                        }),
+                        Host::Kong => None,
+                    };
+                let pin = hint
+                    .as_deref()
+                    .map(|endpoint| (gateway.endpoint_header.as_str(), endpoint));
                 match callout(
                     gateway,
                     &gateway.tokenizer_cluster,
@@ -608,6 +636,7 @@ impl Request {
                     path,
                     &call,
                     None,
+                    pin,
                 ) {
                     Some(token) => {
                         self.phase = Phase::Tokenizing {
@@ -699,6 +728,10 @@ impl Request {
                 Protocol::V2 => protocol::read_answer(&body),
                 Protocol::V1 => v1::read_answer(&body),
             });
+        if let (Some(Ok(answer)), Ok(mut hints)) = (&answer, self.tokenizer_hints.try_borrow_mut())
+        {
+            hints.note(self.model.as_deref(), answer, now_ms());
+        }
         let fallbacks = self.router().config.fallbacks;
         let pick = answer.map(|a| a.and_then(|a| Pick::from_answer(&a, fallbacks)));
         match pick {
@@ -720,7 +753,8 @@ impl Request {
     }
 }
 
-/// Starts a POST callout; its token, or None if the host refused it.
+/// Starts a POST callout, with `pin` (header, endpoint) choosing the cluster's member
+/// where its policy reads it; its token, or None if the host refused it.
 fn callout(
     gateway: &config::GatewayConfig,
     cluster: &str,
@@ -728,6 +762,7 @@ fn callout(
     path: &str,
     body: &[u8],
     bearer: Option<&str>,
+    pin: Option<(&str, &str)>,
 ) -> Option<u32> {
     let authorization = bearer.map(|token| format!("Bearer {token}"));
     let mut headers = vec![
@@ -739,6 +774,7 @@ fn callout(
     if let Some(authorization) = &authorization {
         headers.push(("authorization", authorization));
     }
+    headers.extend(pin);
     let timeout = Duration::from_millis(gateway.timeout_ms);
     hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).ok()
 }

@@ -545,6 +545,108 @@ impl Stack {
         Ok(())
     }
 
+    /// A per-host counter of one of Envoy's clusters (`/clusters`: `rq_total`...), 0 when
+    /// absent.
+    pub fn host_stat(&self, cluster: &str, host: &str, stat: &str) -> u64 {
+        let (_, text) = http(&self.admin, "GET", "/clusters", "");
+        let line = format!("{cluster}::{host}::{stat}::");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&line)?.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// With the replica `frozen` stopped (`SIGSTOP`) and `live` serving: once kvaffined has
+    /// seen `frozen` stop answering its scrapes, its answers name `live` as the place to
+    /// tokenize, so that at concurrency 20 (10 requests each, `body(i)` for the i-th) no
+    /// tokenizer callout goes to `frozen` and every request is answered, tokenized (mode
+    /// `precise`, not the approximate fallback) and served by `live`. Round robin on the
+    /// tokenizer cluster would send half the callouts to `frozen`, each waiting out
+    /// `timeout_ms`. Returns the requests' latencies.
+    pub fn check_tokenizing_avoids(
+        &self,
+        frozen: &str,
+        live: &str,
+        body: fn(usize) -> Value,
+    ) -> anyhow::Result<Vec<Duration>> {
+        poll(
+            "kvaffined sees the frozen replica",
+            Duration::from_secs(15),
+            || {
+                let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
+                serde_json::from_str::<Value>(&text).is_ok_and(|v| {
+                    v["endpoints"].as_array().is_some_and(|all| {
+                        all.iter().any(|e| {
+                            e["endpoint"] == frozen && !e["status"]["scrape_error"].is_null()
+                        })
+                    })
+                })
+            },
+        )?;
+        // Each of Envoy's two workers learns the hint from its first answer after the
+        // freeze (its first callout may still go by the cluster's own balancer).
+        let (mut sent, mut precise_in_a_row) = (0, 0);
+        while precise_in_a_row < 8 {
+            if sent >= 40 {
+                bail!("{sent} requests and still none tokenized 8 times in a row");
+            }
+            let reply = client::post_json(&self.gateway, "/v1/chat/completions", &body(sent));
+            if reply.status != 200 {
+                bail!("status {}: {}", reply.status, reply.body);
+            }
+            sent += 1;
+            precise_in_a_row = if reply.header("x-kvaffine-mode") == Some("precise") {
+                precise_in_a_row + 1
+            } else {
+                0
+            };
+        }
+        let calls_before = self.host_stat("tokenizer", frozen, "rq_total");
+        let clients: Vec<_> = (0..20)
+            .map(|client| {
+                let gateway = self.gateway.clone();
+                std::thread::spawn(move || {
+                    (0..10)
+                        .map(|i| {
+                            let started = Instant::now();
+                            let reply = client::post_json(
+                                &gateway,
+                                "/v1/chat/completions",
+                                &body(1_000 + client * 10 + i),
+                            );
+                            (reply, started.elapsed())
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut replies = Vec::new();
+        for client in clients {
+            replies.extend(
+                client
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("a client thread panicked"))?,
+            );
+        }
+        let calls = self.host_stat("tokenizer", frozen, "rq_total") - calls_before;
+        for (reply, _) in &replies {
+            let seen = (
+                reply.status,
+                reply.header("x-kvaffine-mode"),
+                reply.header("x-served-by"),
+            );
+            if seen != (200, Some("precise"), Some(live)) {
+                bail!(
+                    "expected 200, precise, served by {live}; got {seen:?}: {}",
+                    reply.body
+                );
+            }
+        }
+        if calls != 0 {
+            bail!("{calls} tokenizer callouts went to the frozen replica {frozen}");
+        }
+        Ok(replies.into_iter().map(|(_, took)| took).collect())
+    }
+
     /// A counter or gauge from Envoy's stats (0 when absent).
     pub fn stat(&self, name: &str) -> f64 {
         self.stat_value(name).unwrap_or(0.0)

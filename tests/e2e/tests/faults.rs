@@ -67,6 +67,16 @@ fn time_to_prefix(stack: &Stack) -> Duration {
     start.elapsed()
 }
 
+fn send_signal(pid: u32, signal: &str) {
+    assert!(
+        std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
 fn assert_no_failures(statuses: &[u16]) {
     assert!(statuses.len() >= 10, "only {} requests", statuses.len());
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
@@ -167,16 +177,7 @@ fn a_frozen_replicas_streamed_request_is_answered_by_the_next_ranked_one() {
     })
     .unwrap();
     let frozen = stack.replicas.iter().find(|r| r.http == warm).unwrap();
-    let signal = |signal: &str| {
-        let pid = frozen.pid().unwrap().to_string();
-        assert!(
-            std::process::Command::new("kill")
-                .args([signal, &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
-    };
+    let signal = |signal: &str| send_signal(frozen.pid().unwrap(), signal);
     let timeouts = stack.stat("cluster.pool.upstream_rq_per_try_timeout");
     signal("-STOP");
     // A non-streamed answer's headers come with its last token: no deadline is set on it,
@@ -292,4 +293,18 @@ fn a_replica_whose_engine_died_is_retried_around_then_ranked_last() {
     )
     .unwrap();
     assert!(pinned_warm(&later));
+}
+
+/// A replica frozen (`SIGSTOP`) is not asked to tokenize once kvaffined has noticed
+/// ([`Stack::check_tokenizing_avoids`]).
+#[test]
+fn tokenizer_callouts_avoid_a_frozen_replica() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    stack.wait_scraped().unwrap();
+    let (frozen, live) = (&stack.replicas[1], &stack.replicas[0].http);
+    let pid = frozen.pid().unwrap();
+    send_signal(pid, "-STOP");
+    let checked = stack.check_tokenizing_avoids(&frozen.http, live, prompt);
+    send_signal(pid, "-CONT");
+    checked.unwrap();
 }

@@ -122,7 +122,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     // (name, pair, check, in the routing subset that older versions run in CI)
-    let checks: [(&str, Pair, Check, bool); 23] = [
+    let checks: [(&str, Pair, Check, bool); 24] = [
         (
             "events_and_replay_are_read_in_their_layout",
             Pair::Cbor,
@@ -205,6 +205,12 @@ fn main() -> std::process::ExitCode {
             "a_replica_going_away_under_traffic_fails_no_unanswered_request",
             Pair::Cbor,
             replica_goes_away,
+            false,
+        ),
+        (
+            "tokenizer_callouts_avoid_a_frozen_replica",
+            Pair::Cbor,
+            frozen_tokenizer,
             false,
         ),
         (
@@ -1879,6 +1885,35 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         })?;
     }
     eprintln!("replica going away: {}", report.join("; "));
+    Ok(())
+}
+
+/// A replica frozen (`SIGSTOP`) is not asked to tokenize once kvaffined has noticed, and
+/// every request at concurrency 20 is still tokenized, routed and answered
+/// ([`Stack::check_tokenizing_avoids`]); their latencies are printed.
+fn frozen_tokenizer(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    stack.wait_scraped()?;
+    let [frozen, live, ..] = replicas else {
+        anyhow::bail!("two replicas needed");
+    };
+    frozen.freeze(true)?;
+    let checked = stack.check_tokenizing_avoids(&frozen.http, &live.http, |i| {
+        json!({"model": SERVED_MODEL, "max_tokens": 4, "messages": [
+            {"role": "user", "content": prose(70_000 + i, 100)}]})
+    });
+    frozen.freeze(false)?;
+    let latencies = kvaffine_e2e::load::Latencies({
+        let mut all = checked?;
+        all.sort();
+        all
+    });
+    eprintln!(
+        "one replica frozen, concurrency 20: {} requests, p50 {:.1} ms, p99 {:.1} ms",
+        latencies.0.len(),
+        kvaffine_e2e::load::ms(latencies.quantile(0.5)),
+        kvaffine_e2e::load::ms(latencies.quantile(0.99))
+    );
     Ok(())
 }
 

@@ -549,6 +549,21 @@ fn filter_vllm() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What precise routing adds to a continuation on real vLLM, against the tokenizer's own
+/// time, with where the filter's time goes -> `docs/benchmarks/precise-cost.md`.
+pub fn precise_cost() -> anyhow::Result<()> {
+    crate::vllm::ensure_newest()?;
+    let table = stack_bench(&["precise-cost"])?;
+    let md = include_str!("bench_precise_cost.md")
+        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
+        .replace("{{VERSION}}", &crate::vllm::newest()?)
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{TABLE}}", &table);
+    write(&sh::root().join("docs/benchmarks/precise-cost.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;

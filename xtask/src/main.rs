@@ -37,6 +37,9 @@ commands:
                 (real vLLM replicas and their /tokenize: docs/benchmarks/filter-vllm.md)
   bench outcomes
                 the filter's cost with report_outcomes on and off -> docs/benchmarks/outcomes.md
+  bench precise-cost
+                what precise routing adds to a continuation on real vLLM against its own
+                /tokenize, and where the filter's time goes -> docs/benchmarks/precise-cost.md
   bench seed [--engine emu|vllm] [--model hybrid]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
                 (real vLLM: docs/benchmarks/seed-vllm/; GPT-OSS's hybrid attention: -hybrid)
@@ -83,6 +86,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "filter", rest @ ..] => bench::filter(rest),
         ["bench", "outcomes"] => bench::outcomes(),
+        ["bench", "precise-cost"] => bench::precise_cost(),
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
         ["bench", "soak", rest @ ..] => bench::soak(rest),

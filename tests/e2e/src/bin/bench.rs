@@ -31,6 +31,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
         Some("outcomes") => outcomes(),
+        Some("precise-cost") => precise_cost(),
         Some("seed") => seed(
             args.get(1)
                 .context("usage: bench seed OUT_DIR [emu|vllm] [hybrid]")?,
@@ -66,7 +67,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | outcomes | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -1223,5 +1224,244 @@ fn soak(out: &str, minutes: f64, engine: &str) -> anyhow::Result<()> {
         format!("# Soak ({})\n\n{md}", engine.name()),
     )?;
     println!("{md}");
+    Ok(())
+}
+
+/// The sum and count of one of the filter's histograms in Envoy's Prometheus output
+/// (`kvaffine.tokenize_us` is `kvaffine_tokenize_us`).
+fn envoy_histogram(stack: &Stack, name: &str) -> (f64, f64) {
+    let (_, text) = vllm_emu::harness::http(&stack.admin, "GET", "/stats/prometheus", "");
+    let value = |suffix: &str| {
+        let series = format!("{name}_{suffix}");
+        text.lines()
+            .filter(|l| {
+                l.strip_prefix(&series)
+                    .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+            })
+            .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    (value("sum"), value("count"))
+}
+
+/// `bench precise-cost`: what precise routing adds on real vLLM for continuations, which
+/// need the tokenizer, against what the tokenizer itself takes. Each round, sequential:
+/// turn 1 of a new conversation through the gateway; its continuation through the gateway
+/// (timed); a sibling continuation of the same length (the last user message differs)
+/// sent straight to the replica the gateway chose (timed; it finds the same cached
+/// prefix); the continuation's own `/tokenize` at that replica (timed). Gateway first in
+/// even rounds, the sibling first in odd ones. Added = gateway - sibling per round. Every
+/// request goes on a kept-alive connection (one to the gateway, one per replica), as
+/// Envoy's own callouts and upstream requests do, so no timing holds a TCP handshake.
+fn precise_cost() -> anyhow::Result<()> {
+    use kvaffine_core::api::Api;
+    use kvaffine_core::config::Mode;
+    use kvaffine_core::plan::{self, Action};
+    use kvaffine_core::tokens;
+    use kvaffine_e2e::client::{Connection, Reply};
+    use std::collections::HashMap;
+    use std::time::{Duration, Instant};
+
+    const ROUNDS: usize = 25;
+    let (stack, _replicas) = real_stack()?;
+    let model = kvaffine_e2e::vllm::SERVED_MODEL;
+    let words = |seed: usize, n: usize| -> String {
+        (0..n)
+            .map(|i| format!("w{} ", (i * 7919 + seed * 104_729) % 99_991))
+            .collect()
+    };
+    let turn_1 = |seed: usize, n: usize, salt: &str| {
+        json!({"model": model, "max_tokens": 1, "cache_salt": salt, "messages": [
+            {"role": "system", "content": "You are a careful agent."},
+            {"role": "user", "content": words(seed, n)}]})
+    };
+    let continuation = |seed: usize, n: usize, salt: &str, ask: usize| {
+        let mut body = turn_1(seed, n, salt);
+        if let Some(messages) = body["messages"].as_array_mut() {
+            messages.push(json!({"role": "assistant", "content": "Noted."}));
+            messages.push(json!({"role": "user", "content": format!("question {ask}: {}", words(seed * 31 + ask, 24))}));
+        }
+        body
+    };
+    let router = kvaffine_filter::config::FilterConfig::from_json(
+        br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":64}"#,
+    )?
+    .router;
+    let tokenizer = stack.upstreams.first().context("no replica")?.http.clone();
+    // Tokens per word of this prose under the chat template.
+    let count = |body: &serde_json::Value| -> anyhow::Result<u64> {
+        let (_, answer) =
+            vllm_emu::harness::http(&tokenizer, "POST", "/tokenize", &body.to_string());
+        serde_json::from_str::<serde_json::Value>(&answer)?["count"]
+            .as_u64()
+            .context("no token count from /tokenize")
+    };
+    let per_word = count(&turn_1(1, 1_000, "calibrate"))? as f64 / 1_000.0;
+    // The filter's pause (headers to resume) and its two callouts, from Envoy, once its
+    // histograms (merged from the workers at each stats flush) hold the `routed` requests.
+    let snapshot = |routed: usize| -> anyhow::Result<Vec<(f64, f64)>> {
+        let read = || -> Vec<(f64, f64)> {
+            ["added_latency_us", "tokenize_us", "lookup_us"]
+                .iter()
+                .map(|h| envoy_histogram(&stack, &format!("kvaffine_{h}")))
+                .collect()
+        };
+        kvaffine_e2e::poll(
+            "Envoy's histograms to hold every request",
+            Duration::from_secs(30),
+            || read().iter().all(|(_, count)| *count >= routed as f64),
+        )?;
+        Ok(read())
+    };
+    let mut routed = 0;
+    let mut gateway_connection = Connection::open(&stack.gateway)?;
+    let mut connections: HashMap<String, Connection> = HashMap::new();
+    /// POSTs on the replica's kept-alive connection, opened on first use.
+    fn at(
+        connections: &mut HashMap<String, Connection>,
+        replica: &str,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> anyhow::Result<Reply> {
+        if !connections.contains_key(replica) {
+            connections.insert(replica.to_owned(), Connection::open(replica)?);
+        }
+        let connection = connections.get_mut(replica).context("no connection")?;
+        Ok(connection.post_json(path, body))
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let mut out = String::new();
+    writeln!(
+        out,
+        "| continuation | rounds | through the gateway p50 | sibling straight to the replica p50 | added p50 | its `/tokenize` p50 | added / `/tokenize` | filter: paused (mean) | tokenize callout | lookup callout | rest of the filter | keys in-process | served warm |"
+    )?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    for target in [1_500usize, 6_000, 30_000] {
+        let n = (target as f64 / per_word) as usize;
+        let tokens = count(&continuation(2, n, "size", 0))?;
+        let (mut gateway, mut direct, mut added, mut tokenize, mut keys) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut warm = 0;
+        let mut histograms = snapshot(routed)?;
+        for round in 0..ROUNDS + 2 {
+            let salt = format!("cost-{target}-{round}-{}", std::process::id());
+            let seed = target + round;
+            let first =
+                gateway_connection.post_json("/v1/chat/completions", &turn_1(seed, n, &salt));
+            routed += 2;
+            if first.status != 200 {
+                bail!("turn 1: {} {}", first.status, first.body);
+            }
+            let warm_at = first.header("x-served-by").unwrap_or("").to_owned();
+            // uvicorn closes a connection idle for 5 s: each round opens again what it
+            // closed, with an untimed request, before anything is timed.
+            for replica in &stack.upstreams {
+                let ping = json!({"model": model, "prompt": "ping"});
+                if at(&mut connections, &replica.http, "/tokenize", &ping)?.status != 200 {
+                    connections.remove(&replica.http);
+                    let again = at(&mut connections, &replica.http, "/tokenize", &ping)?;
+                    if again.status != 200 {
+                        bail!(
+                            "{} /tokenize: {} {}",
+                            replica.http,
+                            again.status,
+                            again.body
+                        );
+                    }
+                }
+            }
+            let (gateway_body, sibling) = (
+                continuation(seed, n, &salt, 0),
+                continuation(seed, n, &salt, 1),
+            );
+            let started = Instant::now();
+            // The sibling goes to where the gateway sends it; in odd rounds it goes first,
+            // to the replica that holds turn 1 (where the gateway will pin).
+            let (g, g_reply, d, d_reply) = if round % 2 == 0 {
+                let g_reply = gateway_connection.post_json("/v1/chat/completions", &gateway_body);
+                let g = started.elapsed();
+                let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
+                let started = Instant::now();
+                let d_reply = at(&mut connections, &chosen, "/v1/chat/completions", &sibling)?;
+                (g, g_reply, started.elapsed(), d_reply)
+            } else {
+                let d_reply = at(&mut connections, &warm_at, "/v1/chat/completions", &sibling)?;
+                let d = started.elapsed();
+                let started = Instant::now();
+                let g_reply = gateway_connection.post_json("/v1/chat/completions", &gateway_body);
+                (started.elapsed(), g_reply, d, d_reply)
+            };
+            for reply in [&g_reply, &d_reply] {
+                if reply.status != 200 {
+                    bail!("continuation: {} {}", reply.status, reply.body);
+                }
+            }
+            let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
+            let call = gateway_body.to_string();
+            let started = Instant::now();
+            let tokenize_reply = at(&mut connections, &chosen, "/tokenize", &gateway_body)?;
+            let tokenized = started.elapsed();
+            if tokenize_reply.status != 200 {
+                bail!(
+                    "/tokenize: {} {}",
+                    tokenize_reply.status,
+                    tokenize_reply.body
+                );
+            }
+            let answer = tokenize_reply.body;
+            // The filter's own work on this body, natively: plan, token scan, keys.
+            let started = Instant::now();
+            let planned = plan::plan(
+                &router,
+                Api::ChatCompletions,
+                Mode::Precise,
+                call.as_bytes(),
+            );
+            let Action::Tokenize { .. } = planned.action else {
+                bail!(
+                    "the filter would not tokenize this body: {:?}",
+                    planned.action
+                );
+            };
+            tokens::keys_from_tokenize(&router, &planned.extras, answer.as_bytes(), None)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let computed = started.elapsed();
+            if round < 2 {
+                // Warm-up: connections, VMs, the tokenizer's caches.
+                histograms = snapshot(routed)?;
+                continue;
+            }
+            warm += usize::from(
+                chosen == warm_at && g_reply.header("x-kvaffine-reason") == Some("prefix"),
+            );
+            gateway.push(ms(g));
+            direct.push(ms(d));
+            added.push(ms(g) - ms(d));
+            tokenize.push(ms(tokenized));
+            keys.push(ms(computed));
+        }
+        let after = snapshot(routed)?;
+        let mean_ms = |i: usize| {
+            let (Some(a), Some(b)) = (after.get(i), histograms.get(i)) else {
+                return f64::NAN;
+            };
+            (a.0 - b.0) / (a.1 - b.1).max(1.0) / 1e3
+        };
+        let (paused, tokenize_callout, lookup_callout) = (mean_ms(0), mean_ms(1), mean_ms(2));
+        let (added_p50, tokenize_p50) = (median(added.clone()), median(tokenize.clone()));
+        writeln!(
+            out,
+            "| {tokens} tokens | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {tokenize_callout:.2} ms | {lookup_callout:.2} ms | {:.2} ms | {:.2} ms | {warm} of {ROUNDS} |",
+            median(gateway),
+            median(direct),
+            added_p50 / tokenize_p50,
+            paused - tokenize_callout - lookup_callout,
+            median(keys),
+        )?;
+    }
+    println!("{out}");
     Ok(())
 }

@@ -246,35 +246,27 @@ impl TokenizerHints {
         }
     }
 
-    /// Notes an answer's hint for `model`; an answer without one (an older daemon, no
-    /// usable replica) forgets the model's last.
+    /// Notes an answer's hint for `model`. An answer without one (an older daemon, or no
+    /// replica usable at that moment: a busy replica's scrape can time out) leaves the
+    /// model's last hint to expire: the replica it names was the least busy a moment ago,
+    /// while the gateway's own balancer may pick a frozen one.
     pub fn note(&mut self, model: Option<&str>, answer: &LookupAnswer, now_ms: u64) {
-        let at = self.hints.iter().position(|(m, ..)| m.as_deref() == model);
-        match (
-            answer.tokenize_at.as_deref().filter(|e| valid_endpoint(e)),
-            at,
-        ) {
-            (Some(endpoint), Some(i)) => {
-                if let Some(hint) = self.hints.get_mut(i) {
-                    endpoint.clone_into(&mut hint.1);
-                    hint.2 = now_ms;
-                }
-            }
-            (Some(endpoint), None) => {
-                if self.hints.len() >= Self::MAX_MODELS {
-                    let oldest = self.hints.iter().enumerate().min_by_key(|(_, h)| h.2);
-                    if let Some(i) = oldest.map(|(i, _)| i) {
-                        self.hints.swap_remove(i);
-                    }
-                }
-                self.hints
-                    .push((model.map(str::to_owned), endpoint.to_owned(), now_ms));
-            }
-            (None, Some(i)) => {
+        let Some(endpoint) = answer.tokenize_at.as_deref().filter(|e| valid_endpoint(e)) else {
+            return;
+        };
+        if let Some(hint) = self.hints.iter_mut().find(|(m, ..)| m.as_deref() == model) {
+            endpoint.clone_into(&mut hint.1);
+            hint.2 = now_ms;
+            return;
+        }
+        if self.hints.len() >= Self::MAX_MODELS {
+            let oldest = self.hints.iter().enumerate().min_by_key(|(_, h)| h.2);
+            if let Some(i) = oldest.map(|(i, _)| i) {
                 self.hints.swap_remove(i);
             }
-            (None, None) => {}
         }
+        self.hints
+            .push((model.map(str::to_owned), endpoint.to_owned(), now_ms));
     }
 
     /// The endpoint to tokenize `model`'s next request at, if a fresh hint names one.
@@ -482,13 +474,14 @@ mod tests {
         assert_eq!(hints.get(Some("a"), 3_001), None);
         hints.note(Some("a"), &hint("10.0.0.3:8000"), 4_000);
         assert_eq!(hints.get(Some("a"), 4_000), Some("10.0.0.3:8000"));
-        // An answer without a hint forgets the model's last.
+        // An answer without a hint leaves the last to expire.
         hints.note(
             Some("a"),
             &answer(r#"{"candidates":[],"reason":"load"}"#),
             4_100,
         );
-        assert_eq!(hints.get(Some("a"), 4_100), None);
+        assert_eq!(hints.get(Some("a"), 6_000), Some("10.0.0.3:8000"));
+        assert_eq!(hints.get(Some("a"), 6_001), None);
         for i in 0..=TokenizerHints::MAX_MODELS as u64 {
             hints.note(Some(&format!("m{i}")), &hint("10.0.0.4:8000"), 5_000 + i);
         }

@@ -175,6 +175,9 @@ pub struct Stack {
 /// this long.
 pub const STREAM_HEADERS_TIMEOUT_MS: u64 = 10_000;
 
+/// The filter's `timeout_ms` in every stack: how long a callout may take.
+pub const TIMEOUT_MS: u64 = 1_000;
+
 fn filter_config(config: &StackConfig, daemon_addr: &str, tokenizer: &str) -> Value {
     let mut filter = match config.gateway {
         Gateway::Envoy => json!({
@@ -192,7 +195,7 @@ fn filter_config(config: &StackConfig, daemon_addr: &str, tokenizer: &str) -> Va
     };
     if let Some(base) = filter.as_object_mut() {
         base.insert("block_size".into(), json!(config.block_size));
-        base.insert("timeout_ms".into(), json!(1000));
+        base.insert("timeout_ms".into(), json!(TIMEOUT_MS));
         // Every stack checks its predictions against what the replicas served.
         base.insert("report_outcomes".into(), json!(true));
     }
@@ -561,13 +564,14 @@ impl Stack {
     /// tokenizer callout goes to `frozen` and every request is answered, tokenized (mode
     /// `precise`, not the approximate fallback) and served by `live`. Round robin on the
     /// tokenizer cluster would send half the callouts to `frozen`, each waiting out
-    /// `timeout_ms`. Returns the requests' latencies.
+    /// `timeout_ms`. Each client follows each request with a sibling of the same shape
+    /// straight to `live`; returns (through the gateway, sibling) latencies per pair.
     pub fn check_tokenizing_avoids(
         &self,
         frozen: &str,
         live: &str,
         body: fn(usize) -> Value,
-    ) -> anyhow::Result<Vec<Duration>> {
+    ) -> anyhow::Result<Vec<(Duration, Duration)>> {
         poll(
             "kvaffined sees the frozen replica",
             Duration::from_secs(15),
@@ -603,7 +607,7 @@ impl Stack {
         let calls_before = self.host_stat("tokenizer", frozen, "rq_total");
         let clients: Vec<_> = (0..20)
             .map(|client| {
-                let gateway = self.gateway.clone();
+                let (gateway, live) = (self.gateway.clone(), live.to_owned());
                 std::thread::spawn(move || {
                     (0..10)
                         .map(|i| {
@@ -613,7 +617,14 @@ impl Stack {
                                 "/v1/chat/completions",
                                 &body(1_000 + client * 10 + i),
                             );
-                            (reply, started.elapsed())
+                            let through_gateway = started.elapsed();
+                            let started = Instant::now();
+                            let sibling = client::post_json(
+                                &live,
+                                "/v1/chat/completions",
+                                &body(100_000 + client * 10 + i),
+                            );
+                            (reply, through_gateway, sibling, started.elapsed())
                         })
                         .collect::<Vec<_>>()
                 })
@@ -628,7 +639,14 @@ impl Stack {
             );
         }
         let calls = self.host_stat("tokenizer", frozen, "rq_total") - calls_before;
-        for (reply, _) in &replies {
+        for (reply, _, sibling, _) in &replies {
+            if sibling.status != 200 {
+                bail!(
+                    "a sibling straight to {live}: {} {}",
+                    sibling.status,
+                    sibling.body
+                );
+            }
             let seen = (
                 reply.status,
                 reply.header("x-kvaffine-mode"),
@@ -644,7 +662,10 @@ impl Stack {
         if calls != 0 {
             bail!("{calls} tokenizer callouts went to the frozen replica {frozen}");
         }
-        Ok(replies.into_iter().map(|(_, took)| took).collect())
+        Ok(replies
+            .into_iter()
+            .map(|(_, through_gateway, _, sibling)| (through_gateway, sibling))
+            .collect())
     }
 
     /// A counter or gauge from Envoy's stats (0 when absent).

@@ -1890,7 +1890,8 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
 
 /// A replica frozen (`SIGSTOP`) is not asked to tokenize once kvaffined has noticed, and
 /// every request at concurrency 20 is still tokenized, routed and answered
-/// ([`Stack::check_tokenizing_avoids`]); their latencies are printed.
+/// ([`Stack::check_tokenizing_avoids`]); their latencies and what the gateway added over a
+/// sibling straight to the live replica are printed.
 fn frozen_tokenizer(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let stack = stack(replicas)?;
     stack.wait_scraped()?;
@@ -1903,11 +1904,9 @@ fn frozen_tokenizer(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
             {"role": "user", "content": prose(70_000 + i, 100)}]})
     });
     frozen.freeze(false)?;
-    let latencies = kvaffine_e2e::load::Latencies({
-        let mut all = checked?;
-        all.sort();
-        all
-    });
+    let pairs = checked?;
+    let mut latencies = kvaffine_e2e::load::Latencies(pairs.iter().map(|p| p.0).collect());
+    latencies.0.sort();
     eprintln!(
         "one replica frozen, concurrency 20: {} requests, p50 {:.1} ms, p99 {:.1} ms",
         latencies.0.len(),

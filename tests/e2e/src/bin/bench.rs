@@ -1263,7 +1263,7 @@ fn precise_cost() -> anyhow::Result<()> {
     use std::time::{Duration, Instant};
 
     const ROUNDS: usize = 25;
-    let (stack, _replicas) = real_stack()?;
+    let (stack, replicas) = real_stack()?;
     let model = kvaffine_e2e::vllm::SERVED_MODEL;
     let words = |seed: usize, n: usize| -> String {
         (0..n)
@@ -1462,6 +1462,50 @@ fn precise_cost() -> anyhow::Result<()> {
             median(keys),
         )?;
     }
+    // One replica frozen: 20 clients, each request followed by a sibling straight to the
+    // live replica (Stack::check_tokenizing_avoids, which also checks that every request
+    // is tokenized, routed and answered, and that no tokenizer callout goes to the frozen
+    // one).
+    let [frozen, live, ..] = replicas.as_slice() else {
+        bail!("two replicas needed");
+    };
+    /// A new one-message chat for each `i`, as short as the test's (concurrency 20 on one
+    /// live replica on a two-core machine: longer prompts queue its tokenizer past
+    /// `timeout_ms`, which the check counts as a fault).
+    fn new_chat(i: usize) -> serde_json::Value {
+        let text: String = (0..100)
+            .map(|w| format!("f{} ", (w * 7919 + i * 104_729) % 99_991))
+            .collect();
+        json!({"model": kvaffine_e2e::vllm::SERVED_MODEL, "max_tokens": 1,
+            "messages": [{"role": "user", "content": text}]})
+    }
+    let chat_tokens = count(&new_chat(0))?;
+    frozen.freeze(true)?;
+    let checked = stack.check_tokenizing_avoids(&frozen.http, &live.http, new_chat);
+    frozen.freeze(false)?;
+    let pairs = checked?;
+    let quantiles = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            v.get(((v.len().max(1) - 1) as f64 * q).round() as usize)
+                .copied()
+                .unwrap_or(f64::NAN)
+        };
+        (at(0.5), at(0.99))
+    };
+    let (g50, g99) = quantiles(pairs.iter().map(|p| ms(p.0)).collect());
+    let (s50, s99) = quantiles(pairs.iter().map(|p| ms(p.1)).collect());
+    let (a50, a99) = quantiles(pairs.iter().map(|p| ms(p.0) - ms(p.1)).collect());
+    writeln!(
+        out,
+        "\n| one replica frozen (`SIGSTOP`), concurrency 20 | requests | through the gateway p50 / p99 | sibling straight to the live replica p50 / p99 | added p50 / p99 | `timeout_ms` |\n|---|---|---|---|---|---|"
+    )?;
+    writeln!(
+        out,
+        "| new chats of {chat_tokens} tokens, each followed by its sibling | {} | {g50:.1} / {g99:.1} ms | {s50:.1} / {s99:.1} ms | {a50:.1} / {a99:.1} ms | {} ms |",
+        pairs.len(),
+        kvaffine_e2e::TIMEOUT_MS
+    )?;
     println!("{out}");
     Ok(())
 }

@@ -118,22 +118,7 @@ impl PickPolicy {
         rotation: usize,
     ) -> (Vec<usize>, Reason) {
         let mut order: Vec<usize> = (0..candidates.len()).collect();
-        let key = |c: &Candidate| (c.gone, !c.usable, self.saturated(&c.load));
-        let tail = |c: &Candidate| (c.load.waiting, c.load.running);
-        let n = candidates.len().max(1);
-        let turn = |i: usize| (i + n - rotation % n) % n;
-        order.sort_by(|&a, &b| match (candidates.get(a), candidates.get(b)) {
-            (Some(x), Some(y)) => key(x)
-                .cmp(&key(y))
-                .then(
-                    self.cost(request_blocks, x)
-                        .total_cmp(&self.cost(request_blocks, y)),
-                )
-                .then(tail(x).cmp(&tail(y)))
-                .then(x.load.kv_cache_usage.total_cmp(&y.load.kv_cache_usage))
-                .then(turn(a).cmp(&turn(b))),
-            _ => std::cmp::Ordering::Equal,
-        });
+        order.sort_by(|&a, &b| self.compare(request_blocks, candidates, rotation, a, b));
         let Some(first) = order.first().and_then(|&i| candidates.get(i)) else {
             return (order, Reason::NoCandidates);
         };
@@ -152,6 +137,43 @@ impl PickPolicy {
             Reason::Load
         };
         (order, reason)
+    }
+
+    /// The usable candidate a request with nothing cached anywhere would be ranked first
+    /// at: where a tokenizer call is cheapest. One pass, no ordering of the rest (every
+    /// lookup asks). A request of no blocks costs only the queue in front of it, whatever a
+    /// candidate holds.
+    pub fn least_busy(&self, candidates: &[Candidate], rotation: usize) -> Option<usize> {
+        (0..candidates.len())
+            .filter(|&i| candidates.get(i).is_some_and(|c| c.usable && !c.gone))
+            .min_by(|&a, &b| self.compare(0, candidates, rotation, a, b))
+    }
+
+    /// [`rank`](Self::rank)'s order between candidates `a` and `b`.
+    fn compare(
+        &self,
+        request_blocks: usize,
+        candidates: &[Candidate],
+        rotation: usize,
+        a: usize,
+        b: usize,
+    ) -> std::cmp::Ordering {
+        let key = |c: &Candidate| (c.gone, !c.usable, self.saturated(&c.load));
+        let tail = |c: &Candidate| (c.load.waiting, c.load.running);
+        let n = candidates.len().max(1);
+        let turn = |i: usize| (i + n - rotation % n) % n;
+        match (candidates.get(a), candidates.get(b)) {
+            (Some(x), Some(y)) => key(x)
+                .cmp(&key(y))
+                .then(
+                    self.cost(request_blocks, x)
+                        .total_cmp(&self.cost(request_blocks, y)),
+                )
+                .then(tail(x).cmp(&tail(y)))
+                .then(x.load.kv_cache_usage.total_cmp(&y.load.kv_cache_usage))
+                .then(turn(a).cmp(&turn(b))),
+            _ => std::cmp::Ordering::Equal,
+        }
     }
 }
 
@@ -230,6 +252,23 @@ mod tests {
             policy.rank(10, &[gone, unscraped], 0),
             (vec![1, 0], Reason::Load)
         );
+    }
+
+    #[test]
+    fn the_least_busy_ignores_what_is_cached_and_what_is_unusable() {
+        let policy = PickPolicy::default();
+        let mut warm_but_busy = c(9, 0);
+        warm_but_busy.load.pending_prefill_tokens = 50;
+        let mut broken = c(0, 0);
+        broken.usable = false;
+        let mut gone = c(0, 0);
+        gone.gone = true;
+        let candidates = [warm_but_busy, broken, gone, c(0, 2), c(0, 1)];
+        assert_eq!(policy.rank(10, &candidates, 0).0.first(), Some(&0));
+        assert_eq!(policy.least_busy(&candidates, 0), Some(4));
+        // Ties take turns; nothing usable names nothing.
+        assert_eq!(policy.least_busy(&[c(0, 0), c(0, 0)], 1), Some(1));
+        assert_eq!(policy.least_busy(&[broken, gone], 0), None);
     }
 
     #[test]

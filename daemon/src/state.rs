@@ -367,20 +367,11 @@ impl Daemon {
             .settings
             .policy
             .rank(request.query.len(), &candidates, turn);
-        // The least busy usable replica: the same ranking for a request with nothing
-        // cached anywhere.
-        let uncached: Vec<Candidate> = candidates
-            .iter()
-            .map(|c| Candidate {
-                matched_blocks: 0,
-                ..*c
-            })
-            .collect();
-        let (by_load, _) = self.settings.policy.rank(0, &uncached, turn);
-        let tokenize_at = by_load
-            .first()
-            .filter(|&&i| uncached.get(i).is_some_and(|c| c.usable && !c.gone))
-            .and_then(|&i| replicas.get(*rankable.get(i)?))
+        let tokenize_at = self
+            .settings
+            .policy
+            .least_busy(&candidates, turn)
+            .and_then(|i| replicas.get(*rankable.get(i)?))
             .map(|r| r.record.endpoint.clone());
         Ranking {
             tokenize_at,

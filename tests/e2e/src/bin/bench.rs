@@ -1244,6 +1244,13 @@ fn envoy_histogram(stack: &Stack, name: &str) -> (f64, f64) {
     (value("sum"), value("count"))
 }
 
+/// `n` words that tokenize to several ids each, different per `seed`.
+fn words(seed: usize, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("w{} ", (i * 7919 + seed * 104_729) % 99_991))
+        .collect()
+}
+
 /// `bench precise-cost`: what precise routing adds on real vLLM for continuations, which
 /// need the tokenizer, against what the tokenizer itself takes. Each round, sequential:
 /// turn 1 of a new conversation through the gateway; its continuation through the gateway
@@ -1265,11 +1272,6 @@ fn precise_cost() -> anyhow::Result<()> {
     const ROUNDS: usize = 25;
     let (stack, replicas) = real_stack()?;
     let model = kvaffine_e2e::vllm::SERVED_MODEL;
-    let words = |seed: usize, n: usize| -> String {
-        (0..n)
-            .map(|i| format!("w{} ", (i * 7919 + seed * 104_729) % 99_991))
-            .collect()
-    };
     let turn_1 = |seed: usize, n: usize, salt: &str| {
         json!({"model": model, "max_tokens": 1, "cache_salt": salt, "messages": [
             {"role": "system", "content": "You are a careful agent."},
@@ -1473,11 +1475,8 @@ fn precise_cost() -> anyhow::Result<()> {
     /// live replica on a two-core machine: longer prompts queue its tokenizer past
     /// `timeout_ms`, which the check counts as a fault).
     fn new_chat(i: usize) -> serde_json::Value {
-        let text: String = (0..100)
-            .map(|w| format!("f{} ", (w * 7919 + i * 104_729) % 99_991))
-            .collect();
         json!({"model": kvaffine_e2e::vllm::SERVED_MODEL, "max_tokens": 1,
-            "messages": [{"role": "user", "content": text}]})
+            "messages": [{"role": "user", "content": words(i, 100)}]})
     }
     let chat_tokens = count(&new_chat(0))?;
     frozen.freeze(true)?;

@@ -2,7 +2,9 @@
 //!
 //! The policy ("sticky until saturated") and its knobs are documented in
 //! `docs/daemon.md`. It is a pure function of the candidates, so the daemon, the
-//! benchmarks and the tests all rank identically.
+//! benchmarks and the tests all rank identically. Work is weighed in seconds at each
+//! replica's own [prefill speed](PrefillSpeed), so a slow replica of a mixed fleet gets
+//! less of it.
 
 use crate::reason::Reason;
 
@@ -20,6 +22,37 @@ pub struct Load {
     pub pending_prefill_tokens: u64,
 }
 
+/// How fast a replica prefills: what turns the work queued on it, and a request's own
+/// work, into the seconds a request waits there. The daemon learns it from each replica's
+/// metrics; replicas with the same speed rank exactly as if work were counted in tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillSpeed {
+    /// Uncached prompt tokens prefilled per second.
+    pub tokens_per_second: f64,
+    /// A request's fixed cost (scheduling, sampling setup), in uncached-token equivalents.
+    pub overhead_tokens: f64,
+}
+
+impl PrefillSpeed {
+    /// Assumed before anything is measured: about one GPT-OSS-20B GPU (the emulator's
+    /// calibration), a 40 ms fixed cost per request.
+    pub const DEFAULT: Self = Self {
+        tokens_per_second: 5000.0,
+        overhead_tokens: 200.0,
+    };
+
+    /// Seconds to prefill `tokens` uncached-token equivalents.
+    pub fn seconds(&self, tokens: f64) -> f64 {
+        tokens / self.tokens_per_second
+    }
+}
+
+impl Default for PrefillSpeed {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
 /// One replica as the ranking sees it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Candidate {
@@ -33,6 +66,8 @@ pub struct Candidate {
     /// Its event stream is lost (the replica stopped, crashed or is restarting): ranked
     /// after every other, usable or not, whatever it holds.
     pub gone: bool,
+    /// How fast it prefills.
+    pub speed: PrefillSpeed,
 }
 
 /// The knobs of the ranking.
@@ -45,12 +80,20 @@ pub struct PickPolicy {
     pub cached_token_cost: f64,
     /// A replica with this many waiting requests is saturated.
     pub max_waiting: u32,
-    /// A replica with this much pending prefill is saturated.
-    pub max_pending_prefill_tokens: u64,
+    /// A replica with this many seconds of pending prefill, at its own speed, is
+    /// saturated.
+    pub max_pending_prefill_seconds: f64,
+    /// A replica with this many pending prefill tokens is saturated, whatever its speed
+    /// (an operator's override; none by default).
+    pub max_pending_prefill_tokens: Option<u64>,
     /// Matches shorter than this count as no match, so a short prefix every replica shares
     /// (a system prompt) does not pull traffic onto one replica.
     pub min_matched_blocks: usize,
 }
+
+/// 65,536 tokens at the [default speed](PrefillSpeed::DEFAULT): the token bound kvaffined
+/// had before it measured speeds, so an unmeasured fleet saturates where it did.
+pub const DEFAULT_MAX_PENDING_PREFILL_SECONDS: f64 = 65_536.0 / 5000.0;
 
 impl Default for PickPolicy {
     fn default() -> Self {
@@ -58,16 +101,21 @@ impl Default for PickPolicy {
             block_size: 16,
             cached_token_cost: 0.1,
             max_waiting: 8,
-            max_pending_prefill_tokens: 64 * 1024,
+            max_pending_prefill_seconds: DEFAULT_MAX_PENDING_PREFILL_SECONDS,
+            max_pending_prefill_tokens: None,
             min_matched_blocks: 1,
         }
     }
 }
 
 impl PickPolicy {
-    fn saturated(&self, load: &Load) -> bool {
-        load.waiting >= self.max_waiting
-            || load.pending_prefill_tokens >= self.max_pending_prefill_tokens
+    fn saturated(&self, c: &Candidate) -> bool {
+        let pending = c.load.pending_prefill_tokens;
+        c.load.waiting >= self.max_waiting
+            || match self.max_pending_prefill_tokens {
+                Some(max) => pending >= max,
+                None => c.speed.seconds(pending as f64) >= self.max_pending_prefill_seconds,
+            }
     }
 
     fn useful_match(&self, matched: usize) -> usize {
@@ -78,17 +126,21 @@ impl PickPolicy {
         }
     }
 
-    /// The prefill work, in uncached-token equivalents, that sending a request of
-    /// `request_blocks` blocks to this candidate would queue behind and add: its pending
-    /// prefill (picks booked on it whose blocks its events have not confirmed yet) and the
-    /// request's own [prefill work](Self::prefill_work).
+    /// The seconds, at the candidate's own speed, of the prefill that sending a request of
+    /// `request_blocks` blocks there would queue behind and add: its pending prefill
+    /// (picks booked on it that its events have not confirmed yet), the request's own
+    /// [prefill work](Self::prefill_work) and its fixed cost.
     ///
     /// Waiting requests from `/metrics` are not costed: scraped every half second they lag
     /// the bookings, and counting them as full requests made affinity leave warm replicas
     /// too early (the scenario benchmark's hot-system-prompt and template-divergence runs
     /// lost hit rate and TTFT with it); they saturate a replica and break ties instead.
     fn cost(&self, request_blocks: usize, c: &Candidate) -> f64 {
-        c.load.pending_prefill_tokens as f64 + self.prefill_work(request_blocks, c.matched_blocks)
+        c.speed.seconds(
+            c.load.pending_prefill_tokens as f64
+                + self.prefill_work(request_blocks, c.matched_blocks)
+                + c.speed.overhead_tokens,
+        )
     }
 
     /// The prefill, in uncached-token equivalents, of a request of `request_blocks` blocks
@@ -158,7 +210,7 @@ impl PickPolicy {
         a: usize,
         b: usize,
     ) -> std::cmp::Ordering {
-        let key = |c: &Candidate| (c.gone, !c.usable, self.saturated(&c.load));
+        let key = |c: &Candidate| (c.gone, !c.usable, self.saturated(c));
         let tail = |c: &Candidate| (c.load.waiting, c.load.running);
         let n = candidates.len().max(1);
         let turn = |i: usize| (i + n - rotation % n) % n;
@@ -190,6 +242,7 @@ mod tests {
             },
             usable: true,
             gone: false,
+            speed: PrefillSpeed::DEFAULT,
         }
     }
 
@@ -224,9 +277,48 @@ mod tests {
         busy.load.pending_prefill_tokens = 1000;
         let idle = c(4, 0);
         assert_eq!(policy.rank(10, &[busy, idle], 0).0, vec![1, 0]);
-        busy.load.pending_prefill_tokens = policy.max_pending_prefill_tokens;
+        busy.load.pending_prefill_tokens = 65_536;
         let (order, reason) = policy.rank(10, &[busy, c(0, 0)], 0);
         assert_eq!((order, reason), (vec![1, 0], Reason::Saturated));
+        // Saturation comes before cost: an idle but slow replica (10 cold blocks: 3.6 s)
+        // goes before 13.1 s of queue on the default speed...
+        let mut slow = c(0, 0);
+        slow.speed.tokens_per_second = 100.0;
+        assert_eq!(policy.rank(10, &[busy, slow], 0).0, vec![1, 0]);
+        // ...but the same queue on a replica ten times as fast is 1.3 s of work, not
+        // saturation; an operator's token bound saturates it whatever its speed.
+        busy.speed.tokens_per_second = 50_000.0;
+        assert_eq!(policy.rank(10, &[busy, slow], 0).0, vec![0, 1]);
+        let bounded = PickPolicy {
+            max_pending_prefill_tokens: Some(65_536),
+            ..policy
+        };
+        assert_eq!(bounded.rank(10, &[busy, slow], 0).0, vec![1, 0]);
+    }
+
+    #[test]
+    fn work_weighs_in_seconds_at_each_replicas_own_speed() {
+        let policy = PickPolicy::default();
+        let mut slow = c(0, 0);
+        slow.speed.tokens_per_second = 2500.0;
+        let mut fast = c(0, 0);
+        fast.load.pending_prefill_tokens = 1500;
+        // 100 cold blocks: 1,800 tokens with the overhead; 0.72 s on the idle slow replica,
+        // 0.66 s behind 1,500 queued tokens on the fast one.
+        assert_eq!(
+            policy.rank(100, &[slow, fast], 0),
+            (vec![1, 0], Reason::Load)
+        );
+        fast.load.pending_prefill_tokens = 2000;
+        assert_eq!(policy.rank(100, &[slow, fast], 0).0, vec![0, 1]);
+        // Equal speeds rank as tokens did, whatever the speed.
+        let (mut a, mut b) = (c(0, 0), c(0, 0));
+        a.load.pending_prefill_tokens = 10;
+        for speed in [1.0, 5000.0, 1e9] {
+            a.speed.tokens_per_second = speed;
+            b.speed.tokens_per_second = speed;
+            assert_eq!(policy.rank(100, &[a, b], 0).0, vec![1, 0], "{speed}");
+        }
     }
 
     #[test]

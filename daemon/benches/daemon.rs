@@ -106,8 +106,7 @@ fn settings() -> Settings {
         // Every pick booked, as the concurrency row says: no bound.
         max_booked_keys: usize::MAX,
         scrape_interval: Duration::from_millis(500),
-        prefill_tokens_per_second: 5000.0,
-        request_overhead_tokens: 200,
+        speed_flags: Default::default(),
         replay_timeout: Duration::from_secs(5),
     }
 }

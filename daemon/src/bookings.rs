@@ -5,17 +5,19 @@
 //! sibling burst; events lag prefill) would each see no match and scatter. A booked prefix
 //! counts as held by its replica until the replica stores the booked blocks or the booking
 //! expires. Each pick also adds its prefill work to its replica's backlog, which drains at
-//! the configured prefill speed: a replica prefills one batch after another, so work booked
-//! together finishes one after another.
+//! the replica's prefill speed (a replica prefills one batch after another, so work booked
+//! together finishes one after another) and loses a pick at once when the replica's events
+//! store the pick's last block.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
 use foldhash::fast::RandomState;
-use kvaffine_core::BlockKey;
+use kvaffine_core::{BlockKey, PrefillSpeed};
 
 use crate::index::{MAX_SLOTS, Slot};
+use crate::speed::PrefillQueue;
 
 struct Booking {
     slot: Slot,
@@ -60,67 +62,73 @@ impl Counted {
     }
 }
 
-/// Queued prefill of one replica, in uncached-token equivalents, as of `at`.
-#[derive(Clone, Copy)]
-struct Backlog {
-    tokens: f64,
-    at: Option<Instant>,
-}
-
-impl Backlog {
-    fn at(&self, now: Instant, tokens_per_second: f64) -> f64 {
-        let drained = self.at.map_or(0.0, |at| {
-            now.saturating_duration_since(at).as_secs_f64() * tokens_per_second
-        });
-        (self.tokens - drained).max(0.0)
-    }
-}
-
-/// The prefill queued on each replica by picks, draining at the assumed prefill speed.
+/// The prefill queued on each replica by picks: it drains at the replica's speed, and a
+/// pick is done at once when the replica's events store its last block.
 pub struct Backlogs {
-    backlog: [Backlog; MAX_SLOTS],
-    tokens_per_second: f64,
+    queues: Vec<PrefillQueue>,
+    tokens_per_second: [f64; MAX_SLOTS],
+}
+
+impl Default for Backlogs {
+    fn default() -> Self {
+        Self {
+            queues: vec![PrefillQueue::default(); MAX_SLOTS],
+            tokens_per_second: [PrefillSpeed::DEFAULT.tokens_per_second; MAX_SLOTS],
+        }
+    }
 }
 
 impl Backlogs {
-    /// Empty queues that drain at `tokens_per_second`.
-    pub fn new(tokens_per_second: f64) -> Self {
-        Self {
-            backlog: [Backlog {
-                tokens: 0.0,
-                at: None,
-            }; MAX_SLOTS],
-            tokens_per_second,
+    /// `slot`'s replica prefills at `tokens_per_second` from `now` on (what it queued
+    /// drained at the old speed until then).
+    pub fn set_speed(&mut self, slot: Slot, tokens_per_second: f64, now: Instant) {
+        let n = slot.index();
+        if let (Some(queue), Some(rate)) =
+            (self.queues.get_mut(n), self.tokens_per_second.get_mut(n))
+        {
+            if *rate != tokens_per_second {
+                queue.settle(now, *rate);
+                *rate = tokens_per_second;
+            }
         }
     }
 
-    /// A pick at `now` adds `work` to `slot`'s queue.
-    pub fn add(&mut self, slot: Slot, work: u64, now: Instant) {
-        if let Some(backlog) = self.backlog.get_mut(slot.index()) {
-            let left = backlog.at(now, self.tokens_per_second);
-            *backlog = Backlog {
-                tokens: left + work as f64,
-                at: Some(now),
-            };
+    /// A pick at `now` adds `work` to `slot`'s queue, done once `slot` stores `last_key`.
+    pub fn add(&mut self, slot: Slot, work: u64, last_key: Option<u64>, now: Instant) {
+        let n = slot.index();
+        if let (Some(queue), Some(&rate)) = (self.queues.get_mut(n), self.tokens_per_second.get(n))
+        {
+            queue.add(work as f64, last_key, now, rate);
+        }
+    }
+
+    /// `slot` stored these keys: the picks they finish, and those queued before them, are
+    /// done.
+    pub fn confirm(&mut self, slot: Slot, stored: &[u64], now: Instant) {
+        let n = slot.index();
+        if let (Some(queue), Some(&rate)) = (self.queues.get_mut(n), self.tokens_per_second.get(n))
+        {
+            queue.confirm(stored, now, rate);
         }
     }
 
     /// Prefill still queued per slot at `now`, in uncached-token equivalents.
     pub fn pending_tokens(&self, now: Instant) -> [u64; MAX_SLOTS] {
         let mut out = [0u64; MAX_SLOTS];
-        for (out, backlog) in out.iter_mut().zip(&self.backlog) {
-            *out = backlog.at(now, self.tokens_per_second) as u64;
+        for ((out, queue), &rate) in out
+            .iter_mut()
+            .zip(&self.queues)
+            .zip(&self.tokens_per_second)
+        {
+            *out = queue.pending(now, rate) as u64;
         }
         out
     }
 
     /// Empties `slot`'s queue (the endpoint was purged or removed).
     pub fn forget_slot(&mut self, slot: Slot) {
-        if let Some(backlog) = self.backlog.get_mut(slot.index()) {
-            *backlog = Backlog {
-                tokens: 0.0,
-                at: None,
-            };
+        if let Some(queue) = self.queues.get_mut(slot.index()) {
+            *queue = PrefillQueue::default();
         }
     }
 }
@@ -372,24 +380,27 @@ mod tests {
     }
 
     #[test]
-    fn the_backlog_adds_up_and_drains_one_batch_after_another() {
-        let a = Slot::new(0).unwrap();
+    fn backlogs_drain_at_each_slots_speed_and_on_its_events() {
+        let (a, b) = (Slot::new(0).unwrap(), Slot::new(1).unwrap());
         let now = Instant::now();
-        let mut backlogs = Backlogs::new(1000.0);
-        backlogs.add(a, 300, now);
-        backlogs.add(a, 300, now);
-        assert_eq!(backlogs.pending_tokens(now)[0], 600);
+        let mut backlogs = Backlogs::default();
+        backlogs.set_speed(a, 1000.0, now);
+        backlogs.set_speed(b, 2000.0, now);
+        backlogs.add(a, 300, Some(11), now);
+        backlogs.add(a, 300, Some(12), now);
+        backlogs.add(b, 600, Some(11), now);
+        let later = now + Duration::from_millis(200);
+        assert_eq!(backlogs.pending_tokens(later)[..2], [400, 200]);
+        // A's first pick is stored: done, whatever the speed said. B stored nothing.
+        backlogs.confirm(a, &[11], later);
+        assert_eq!(backlogs.pending_tokens(later)[..2], [300, 200]);
+        // A speed learned later drains what is left at the new rate from then on.
+        backlogs.set_speed(a, 100.0, later);
         assert_eq!(
-            backlogs.pending_tokens(now + Duration::from_millis(400))[0],
-            200
+            backlogs.pending_tokens(later + Duration::from_secs(1))[..2],
+            [200, 0]
         );
-        backlogs.add(a, 100, now + Duration::from_millis(400));
-        assert_eq!(
-            backlogs.pending_tokens(now + Duration::from_millis(400))[0],
-            300
-        );
-        assert_eq!(backlogs.pending_tokens(now + Duration::from_secs(2))[0], 0);
         backlogs.forget_slot(a);
-        assert_eq!(backlogs.pending_tokens(now)[0], 0);
+        assert_eq!(backlogs.pending_tokens(later)[0], 0);
     }
 }

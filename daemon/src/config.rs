@@ -9,6 +9,8 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Args;
 use kvaffine_core::{HashAlgo, KeyConfig, PickPolicy, VllmCompat};
+
+use crate::speed::SpeedFlags;
 use serde::Deserialize;
 
 /// A mebibyte, for byte flags.
@@ -94,20 +96,27 @@ pub struct ServeArgs {
     /// A replica with this many waiting requests is saturated.
     #[arg(long, default_value_t = PickPolicy::default().max_waiting)]
     pub max_waiting: u32,
-    /// A replica with this many pending prefill tokens is saturated.
-    #[arg(long, default_value_t = PickPolicy::default().max_pending_prefill_tokens)]
-    pub max_pending_prefill_tokens: u64,
+    /// A replica with this many seconds of pending prefill, at its measured speed, is
+    /// saturated (the default is 65,536 tokens at the default 5,000 tokens/s).
+    #[arg(long, default_value_t = PickPolicy::default().max_pending_prefill_seconds)]
+    pub max_pending_prefill_seconds: f64,
+    /// A replica with this many pending prefill tokens is saturated, whatever its speed
+    /// (replaces --max-pending-prefill-seconds).
+    #[arg(long)]
+    pub max_pending_prefill_tokens: Option<u64>,
     /// Prefill cost of a cached token relative to an uncached one, for the ranking.
     #[arg(long, default_value_t = PickPolicy::default().cached_token_cost)]
     pub cached_token_cost: f64,
-    /// How fast a replica prefills, in tokens per second: a booking's pending prefill
-    /// shrinks at this rate (GPT-OSS-20B on one GPU: about 5,000).
-    #[arg(long, default_value_t = 5000.0)]
-    pub prefill_tokens_per_second: f64,
+    /// How fast every replica prefills, in tokens per second, instead of what each
+    /// measures (its `vllm:request_prefill_time_seconds` against its
+    /// `vllm:request_prefill_kv_computed_tokens`; 5,000 until anything is measured).
+    #[arg(long)]
+    pub prefill_tokens_per_second: Option<f64>,
     /// A request's fixed prefill cost in uncached-token equivalents (scheduling, sampling
-    /// setup): about 200 on the calibrated replica (40 ms at 5,000 tokens/s).
-    #[arg(long, default_value_t = 200)]
-    pub request_overhead_tokens: u64,
+    /// setup) on every replica, instead of what each measures (200 until anything is
+    /// measured).
+    #[arg(long)]
+    pub request_overhead_tokens: Option<u64>,
     /// Matches shorter than this many blocks count as none.
     #[arg(long, default_value_t = PickPolicy::default().min_matched_blocks)]
     pub min_matched_blocks: usize,
@@ -247,10 +256,8 @@ pub struct Settings {
     pub max_booked_keys: usize,
     /// Scrape period.
     pub scrape_interval: Duration,
-    /// Prefill speed assumed for pending bookings.
-    pub prefill_tokens_per_second: f64,
-    /// A request's fixed prefill cost, in tokens.
-    pub request_overhead_tokens: u64,
+    /// Prefill figures the operator fixed, instead of the measured ones.
+    pub speed_flags: SpeedFlags,
     /// Replay deadline.
     pub replay_timeout: Duration,
 }
@@ -270,8 +277,14 @@ impl ServeArgs {
         if self.max_inflight_lookups == 0 {
             bail!("--max-inflight-lookups must be at least 1");
         }
-        if self.prefill_tokens_per_second.is_nan() || self.prefill_tokens_per_second <= 0.0 {
-            bail!("--prefill-tokens-per-second must be positive");
+        if self
+            .prefill_tokens_per_second
+            .is_some_and(|rate| rate.is_nan() || rate <= 0.0 || rate.is_infinite())
+        {
+            bail!("--prefill-tokens-per-second must be a positive number");
+        }
+        if self.max_pending_prefill_seconds.is_nan() || self.max_pending_prefill_seconds <= 0.0 {
+            bail!("--max-pending-prefill-seconds must be positive");
         }
         if !(0.0..=1.0).contains(&self.cached_token_cost) {
             bail!("--cached-token-cost must be between 0 and 1");
@@ -283,6 +296,7 @@ impl ServeArgs {
                 block_size: self.block_size as usize,
                 cached_token_cost: self.cached_token_cost,
                 max_waiting: self.max_waiting,
+                max_pending_prefill_seconds: self.max_pending_prefill_seconds,
                 max_pending_prefill_tokens: self.max_pending_prefill_tokens,
                 min_matched_blocks: self.min_matched_blocks,
             },
@@ -295,8 +309,10 @@ impl ServeArgs {
             booking_ttl: Duration::from_millis(self.booking_ttl_ms),
             max_booked_keys: self.max_booked_keys,
             scrape_interval: Duration::from_millis(self.scrape_interval_ms.max(10)),
-            prefill_tokens_per_second: self.prefill_tokens_per_second,
-            request_overhead_tokens: self.request_overhead_tokens,
+            speed_flags: SpeedFlags {
+                tokens_per_second: self.prefill_tokens_per_second,
+                overhead_tokens: self.request_overhead_tokens.map(|t| t as f64),
+            },
             replay_timeout: Duration::from_millis(self.replay_timeout_ms),
         })
     }

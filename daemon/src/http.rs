@@ -210,6 +210,7 @@ async fn endpoints(State(daemon): State<Arc<Daemon>>) -> Response {
                 "rank": e.spec.rank,
                 "slot": e.slot.index(),
                 "index_entries": daemon.index.read().slot_entries(e.slot),
+                "prefill": daemon.speeds.read().get(e.slot.index()),
                 "status": *e.status.lock(),
             })
         })

@@ -20,4 +20,5 @@ pub mod metrics;
 pub mod outcomes;
 pub mod scrape;
 pub mod serve;
+pub mod speed;
 pub mod state;

@@ -105,7 +105,14 @@ pub struct Metrics {
     pub booked_predicted: Family<EndpointLabel, Counter>,
     /// The replica's own `vllm:prefix_cache_hits_total`, followed by scrapes.
     pub replica_cache_hits: Family<EndpointLabel, Counter>,
+    /// The prefill speed the ranking weighs each replica's work at.
+    pub prefill_tokens_per_second: Family<EndpointLabel, FloatGauge>,
+    /// The fixed prefill cost per request it adds.
+    pub prefill_overhead_seconds: Family<EndpointLabel, FloatGauge>,
 }
+
+/// A gauge of fractional values.
+pub type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 impl Default for Metrics {
     /// Registers every series under the `kvaffined` prefix.
@@ -137,6 +144,18 @@ impl Default for Metrics {
         let outcomes = Family::<ResultLabel, Counter>::default();
         let booked_predicted = Family::<EndpointLabel, Counter>::default();
         let replica_cache_hits = Family::<EndpointLabel, Counter>::default();
+        let prefill_tokens_per_second = Family::<EndpointLabel, FloatGauge>::default();
+        let prefill_overhead_seconds = Family::<EndpointLabel, FloatGauge>::default();
+        registry.register(
+            "replica_prefill_tokens_per_second",
+            "Uncached prompt tokens per second the ranking assumes the replica prefills (measured from its own metrics unless --prefill-tokens-per-second is given)",
+            prefill_tokens_per_second.clone(),
+        );
+        registry.register(
+            "replica_prefill_overhead_seconds",
+            "Fixed prefill cost per request the ranking assumes for the replica (measured unless --request-overhead-tokens is given)",
+            prefill_overhead_seconds.clone(),
+        );
         registry.register(
             "outcome_predicted_cached_tokens",
             "Prompt tokens the filter predicted the replica would serve from its KV cache (reported outcomes)",
@@ -291,6 +310,8 @@ impl Default for Metrics {
             outcomes,
             booked_predicted,
             replica_cache_hits,
+            prefill_tokens_per_second,
+            prefill_overhead_seconds,
         }
     }
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 
 use tracing::{error, warn};
 
+use crate::speed::PrefillCounters;
 use crate::state::{Daemon, Endpoint, ScrapedLoad};
 
 /// What one scrape says about a replica.
@@ -21,6 +22,9 @@ pub struct Scrape {
     pub hash_algo: Option<String>,
     /// `vllm:prefix_cache_hits_total` (tokens), summed over engines.
     pub prefix_cache_hits: Option<f64>,
+    /// Finished requests' prefill time and computed tokens, summed over engines; None
+    /// unless all three series are there (vLLM 0.24 and later export them).
+    pub prefill: Option<PrefillCounters>,
 }
 
 /// One sample line: name, labels, value.
@@ -79,6 +83,8 @@ fn label<'a>(labels: &'a [(&str, String)], name: &str) -> Option<&'a str> {
 /// Reads the series kvaffine uses from a Prometheus text exposition.
 pub fn parse_metrics(text: &str) -> Scrape {
     let mut scrape = Scrape::default();
+    let (mut requests, mut seconds, mut computed) = (None, None, None);
+    let add = |sum: &mut Option<f64>, value: f64| *sum.get_or_insert(0.0) += value;
     for line in text
         .lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
@@ -102,8 +108,18 @@ pub fn parse_metrics(text: &str) -> Scrape {
                 scrape.block_size = label(&labels, "block_size").and_then(|v| v.parse().ok());
                 scrape.hash_algo = label(&labels, "prefix_caching_hash_algo").map(str::to_owned);
             }
+            "vllm:request_prefill_time_seconds_count" => add(&mut requests, value),
+            "vllm:request_prefill_time_seconds_sum" => add(&mut seconds, value),
+            "vllm:request_prefill_kv_computed_tokens_sum" => add(&mut computed, value),
             _ => {}
         }
+    }
+    if let (Some(requests), Some(seconds), Some(computed_tokens)) = (requests, seconds, computed) {
+        scrape.prefill = Some(PrefillCounters {
+            requests,
+            seconds,
+            computed_tokens,
+        });
     }
     scrape
 }
@@ -151,6 +167,9 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                     tracing::info!(endpoint = %endpoint.spec.endpoint, "metrics and health reachable again");
                 }
                 status.load = Some(scrape.load);
+                if let Some(prefill) = scrape.prefill {
+                    status.speed.observe(prefill);
+                }
                 if let Some(hits) = scrape.prefix_cache_hits {
                     // From the first scrape on; a counter that went back is a restart.
                     let new = match status.prefix_cache_hits {
@@ -192,6 +211,8 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                 status.scrape_error = Some(err.to_string());
             }
         }
+        drop(status);
+        daemon.refresh_speeds(std::time::Instant::now());
     }
 }
 
@@ -234,6 +255,14 @@ vllm:kv_cache_usage_perc{engine="1",model_name="qwen"} 0.5
 vllm:cache_config_info{block_size="64",enable_prefix_caching="True",engine="0",model_name="qwen",prefix_caching_hash_algo="sha256_cbor"} 1.0
 vllm:prefix_cache_hits_total{engine="0",model_name="qwen"} 1234.0
 vllm:prefix_cache_hits_total{engine="1",model_name="qwen"} 16.0
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="qwen"} 2.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="qwen"} 3.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="qwen"} 0.75
+vllm:request_prefill_time_seconds_count{engine="1",model_name="qwen"} 1.0
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="qwen"} 0.25
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="qwen"} 3.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="qwen"} 6000.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="qwen"} 2000.0
 "#;
         let scrape = parse_metrics(text);
         assert_eq!(
@@ -248,6 +277,21 @@ vllm:prefix_cache_hits_total{engine="1",model_name="qwen"} 16.0
         assert_eq!(scrape.block_size, Some(64));
         assert_eq!(scrape.hash_algo.as_deref(), Some("sha256_cbor"));
         assert_eq!(scrape.prefix_cache_hits, Some(1250.0));
+        assert_eq!(
+            scrape.prefill,
+            Some(PrefillCounters {
+                requests: 4.0,
+                seconds: 1.0,
+                computed_tokens: 8000.0
+            })
+        );
+        // An older vLLM without the computed-token histogram teaches nothing.
+        let partial: String = text
+            .lines()
+            .filter(|l| !l.contains("kv_computed"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert_eq!(parse_metrics(&partial).prefill, None);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use kvaffine_core::protocol::{self, LookupAnswer, LookupRequest, Query};
-use kvaffine_core::{Candidate, Load, Reason};
+use kvaffine_core::{Candidate, Load, PrefillSpeed, Reason};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
@@ -17,6 +17,7 @@ use crate::history::History;
 use crate::hybrid::{Layout, Rule, hybrid_hit};
 use crate::index::{GPU, Group, MAX_SLOTS, PrefixIndex, Slot, longest_prefixes_by};
 use crate::metrics::{EndpointLabel, Metrics};
+use crate::speed::{SpeedLearner, SpeedView};
 
 /// Everything the ingest threads, scrapers and HTTP handlers share.
 pub struct Daemon {
@@ -28,6 +29,8 @@ pub struct Daemon {
     pub bookings: RwLock<Bookings>,
     /// The prefill every pick queued on its replica.
     pub backlogs: Mutex<Backlogs>,
+    /// Each slot's prefill speed, as [`refresh_speeds`](Self::refresh_speeds) last set it.
+    pub speeds: RwLock<[SpeedView; MAX_SLOTS]>,
     /// Where approximate (text-derived) keys were routed.
     pub history: RwLock<History>,
     /// Followed endpoints, in the order they were added.
@@ -120,6 +123,9 @@ pub struct EndpointStatus {
     /// How lookups read its groups.
     #[serde(skip)]
     pub rule: Arc<Rule>,
+    /// What its scrapes taught about its prefill speed.
+    #[serde(skip)]
+    pub speed: SpeedLearner,
 }
 
 /// One endpoint in a ranking, as `/v1/lookup` answers it.
@@ -183,6 +189,8 @@ struct Replica {
     windows: Option<Windows>,
     /// The model its metrics name, if scraped.
     model: Option<String>,
+    /// How fast it prefills.
+    speed: PrefillSpeed,
 }
 
 /// How far each slot matches a request's keys.
@@ -295,7 +303,15 @@ impl Daemon {
     pub fn with_auth(settings: Settings, auth: Option<crate::auth::ApiTokens>) -> Self {
         let index = PrefixIndex::new(settings.max_entries);
         let history = History::new(settings.max_entries.min(10_000_000));
-        let backlogs = Backlogs::new(settings.prefill_tokens_per_second);
+        let mut backlogs = Backlogs::default();
+        let now = Instant::now();
+        let initial = crate::speed::speeds(&[(None, 0)], settings.speed_flags)
+            .first()
+            .copied()
+            .unwrap_or_default();
+        for slot in (0..MAX_SLOTS).filter_map(Slot::new) {
+            backlogs.set_speed(slot, initial.tokens_per_second, now);
+        }
         let bookings = Bookings::new(settings.max_booked_keys);
         Self {
             settings,
@@ -303,6 +319,7 @@ impl Daemon {
             bookings: RwLock::new(bookings),
             outcomes: Mutex::default(),
             backlogs: Mutex::new(backlogs),
+            speeds: RwLock::new([initial; MAX_SLOTS]),
             history: RwLock::new(history),
             endpoints: RwLock::new(Vec::new()),
             metrics: Metrics::default(),
@@ -318,6 +335,54 @@ impl Daemon {
         (0..MAX_SLOTS)
             .filter_map(Slot::new)
             .find(|slot| endpoints.iter().all(|e| e.slot != *slot))
+    }
+
+    /// Sets every slot's prefill speed from what each replica measured (a replica's
+    /// data-parallel ranks share the scraped one's figures) and the operator's flags; the
+    /// scrapers call it after each scrape.
+    pub fn refresh_speeds(&self, now: Instant) {
+        let endpoints = self.endpoints.read().clone();
+        let mut replicas: Vec<(&str, Option<PrefillSpeed>, u64)> = Vec::new();
+        for endpoint in &endpoints {
+            let status = endpoint.status.lock();
+            let (measured, samples) = (status.speed.measured(), status.speed.samples());
+            match replicas.iter_mut().find(|r| r.0 == endpoint.spec.endpoint) {
+                Some(replica) if samples > replica.2 => {
+                    (replica.1, replica.2) = (measured, samples)
+                }
+                Some(_) => {}
+                None => replicas.push((&endpoint.spec.endpoint, measured, samples)),
+            }
+        }
+        let measured: Vec<(Option<PrefillSpeed>, u64)> =
+            replicas.iter().map(|r| (r.1, r.2)).collect();
+        let views = crate::speed::speeds(&measured, self.settings.speed_flags);
+        let mut table = self.speeds.write();
+        let mut backlogs = self.backlogs.lock();
+        for endpoint in &endpoints {
+            let Some(view) = replicas
+                .iter()
+                .position(|r| r.0 == endpoint.spec.endpoint)
+                .and_then(|i| views.get(i))
+            else {
+                continue;
+            };
+            if let Some(entry) = table.get_mut(endpoint.slot.index()) {
+                *entry = *view;
+            }
+            backlogs.set_speed(endpoint.slot, view.tokens_per_second, now);
+            let label = EndpointLabel {
+                endpoint: endpoint.spec.endpoint.clone(),
+            };
+            self.metrics
+                .prefill_tokens_per_second
+                .get_or_create(&label)
+                .set(view.tokens_per_second);
+            self.metrics
+                .prefill_overhead_seconds
+                .get_or_create(&label)
+                .set(view.overhead_ms / 1e3);
+        }
     }
 
     /// Ready once every endpoint is synced or flagged incomplete.
@@ -358,6 +423,7 @@ impl Daemon {
                 },
                 usable: replica.record.reachable,
                 gone: !replica.record.connected,
+                speed: replica.speed,
             })
             .collect();
         let turn = self
@@ -482,6 +548,7 @@ impl Daemon {
     /// one record.
     fn replicas(&self, matches: &Matches, pending: &[u64; MAX_SLOTS]) -> Vec<Replica> {
         let endpoints = self.endpoints.read().clone();
+        let speeds = self.speeds.read();
         let mut replicas: Vec<Replica> = Vec::with_capacity(endpoints.len());
         for endpoint in &endpoints {
             let slot = endpoint.slot.index();
@@ -518,6 +585,7 @@ impl Daemon {
                     best_slot: endpoint.slot,
                     windows: matches.windows.get(slot).copied().flatten(),
                     model: status.model.clone(),
+                    speed: speeds.get(slot).copied().unwrap_or_default().speed(),
                 }),
                 Some(replica) => {
                     if stream.matched_blocks > replica.record.matched_blocks {
@@ -542,9 +610,12 @@ impl Daemon {
             .settings
             .policy
             .prefill_work(request.query.len(), record.matched_blocks as usize)
-            as u64
-            + self.settings.request_overhead_tokens;
-        self.backlogs.lock().add(slot, work, now);
+            + replica.speed.overhead_tokens;
+        let last_key = match &request.query {
+            Query::Blocks(keys) => keys.last().map(|k| k.0),
+            Query::Text(_) => None,
+        };
+        self.backlogs.lock().add(slot, work as u64, last_key, now);
         match &request.query {
             Query::Blocks(keys) => {
                 self.metrics

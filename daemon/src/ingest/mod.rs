@@ -406,6 +406,11 @@ impl Follower<'_> {
                 .bookings
                 .write()
                 .confirm(self.endpoint.slot, &report.stored_keys);
+            self.daemon.backlogs.lock().confirm(
+                self.endpoint.slot,
+                &report.stored_keys,
+                std::time::Instant::now(),
+            );
         }
         self.record(&batch, &report, before);
         // Bookings stay: they hold kvaffine's own keys of what the filter sent, true in

@@ -251,13 +251,11 @@ pub fn poll(
     Ok(())
 }
 
-/// Starts kvaffined for `upstreams`; for emulated replicas (`emulated`), with the
-/// prefill rate their time scale gives.
+/// Starts kvaffined for `upstreams`.
 fn spawn_daemon(
     config: &StackConfig,
     upstreams: &[Upstream],
     listen: &str,
-    emulated: bool,
 ) -> anyhow::Result<(Child, String)> {
     let block = config.block_size.to_string();
     let mut args: Vec<String> = ["serve", "--listen", listen, "--block-size", &block]
@@ -266,24 +264,7 @@ fn spawn_daemon(
     for upstream in upstreams {
         args.extend(upstream.daemon_flag());
     }
-    // The daemon's prefill-speed estimate follows the replicas' time scale (the emulator's
-    // model prefills about 5,000 uncached tokens/s at scale 1; scale 0 is instant).
-    let scale = config
-        .replica_args
-        .iter()
-        .position(|a| a == "--time-scale")
-        .and_then(|i| config.replica_args.get(i + 1))
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(1.0);
-    let rate = if scale > 0.0 { 5000.0 / scale } else { 1e12 };
-    if emulated
-        && !config
-            .daemon_args
-            .iter()
-            .any(|a| a == "--prefill-tokens-per-second")
-    {
-        args.extend(["--prefill-tokens-per-second".to_owned(), rate.to_string()]);
-    }
+    // No ranking flags: kvaffined measures each replica's prefill speed from its metrics.
     args.extend(config.daemon_args.iter().cloned());
     let (daemon, line) = spawn_announcing(&binary("kvaffined"), &args, !config.verbose);
     let addr = line
@@ -342,10 +323,9 @@ impl Stack {
         dir: PathBuf,
         wasm: &Path,
     ) -> anyhow::Result<Self> {
-        let emulated = !replicas.is_empty();
-        let (daemon, daemon_addr) = spawn_daemon(&config, &upstreams, "127.0.0.1:0", emulated)?;
+        let (daemon, daemon_addr) = spawn_daemon(&config, &upstreams, "127.0.0.1:0")?;
         let spare_daemons = (1..config.daemons.max(1))
-            .map(|_| spawn_daemon(&config, &upstreams, "127.0.0.1:0", emulated))
+            .map(|_| spawn_daemon(&config, &upstreams, "127.0.0.1:0"))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut stack = Self {
             replicas,
@@ -698,12 +678,7 @@ impl Stack {
     /// Starts the daemon again on its old address (it rebuilds its index by replay).
     pub fn restart_daemon(&mut self) -> anyhow::Result<()> {
         self.kill_daemon();
-        let (daemon, addr) = spawn_daemon(
-            &self.config,
-            &self.upstreams,
-            &self.daemon_addr,
-            !self.replicas.is_empty(),
-        )?;
+        let (daemon, addr) = spawn_daemon(&self.config, &self.upstreams, &self.daemon_addr)?;
         self.daemon = Some(daemon);
         self.daemon_addr = addr;
         Ok(())

@@ -284,8 +284,6 @@ pub enum Engine {
     Vllm {
         /// The running replicas.
         replicas: Vec<VllmProcess>,
-        /// kvaffined's `--prefill-tokens-per-second` for their model.
-        prefill_tokens_per_second: String,
     },
 }
 
@@ -390,10 +388,7 @@ pub fn run_through<T>(
             })?;
             (stack, Oracle::Emulator, None)
         }
-        Engine::Vllm {
-            replicas,
-            prefill_tokens_per_second,
-        } => {
+        Engine::Vllm { replicas } => {
             for replica in replicas.iter() {
                 let (status, answer) = replica.post("/reset_prefix_cache", &json!({}));
                 anyhow::ensure!(
@@ -408,7 +403,6 @@ pub fn run_through<T>(
                 .ok_or_else(|| anyhow::anyhow!("no replica"))?;
             let stack = crate::vllm::front(
                 replicas,
-                prefill_tokens_per_second,
                 StackConfig {
                     filter,
                     daemons,

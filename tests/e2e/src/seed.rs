@@ -249,11 +249,7 @@ pub fn run_vllm(hybrid: bool) -> anyhow::Result<(Vec<Pair>, u64, Replicas)> {
     };
     let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
     let cost = prefill_cost(&replicas[0], 5, hybrid)?;
-    let stack = crate::vllm::front(
-        &replicas,
-        crate::vllm::BENCH_PREFILL_TOKENS_PER_SECOND,
-        StackConfig::default(),
-    )?;
+    let stack = crate::vllm::front(&replicas, StackConfig::default())?;
     let rendered = |replica: &VllmProcess, body: &Value| -> anyhow::Result<u64> {
         let (status, answer) = replica.post("/v1/responses/render", body);
         if status != 200 {

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::scenarios::Ctx;
 use crate::session::{Oracle, Session, TurnResult};
-use crate::vllm::{OracleProcess, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
+use crate::vllm::{OracleProcess, VllmProcess, VllmSpec};
 use crate::{Stack, StackConfig};
 
 /// How often everything is sampled.
@@ -221,11 +221,7 @@ pub fn run(engine: Engine, minutes: f64) -> anyhow::Result<Report> {
                 ..VllmSpec::default()
             };
             let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
-            let stack = crate::vllm::front(
-                &replicas,
-                TINY_PREFILL_TOKENS_PER_SECOND,
-                StackConfig::default(),
-            )?;
+            let stack = crate::vllm::front(&replicas, StackConfig::default())?;
             let oracle = OracleProcess::start(&replicas)?;
             (stack, replicas, blocks, Some(oracle))
         }

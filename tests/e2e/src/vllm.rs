@@ -106,14 +106,10 @@ pub fn kvaffine_settings(version: &str) -> (serde_json::Value, Vec<String>) {
 }
 
 /// kvaffined and the gateway in front of real `replicas` (one version, one block size):
-/// kvaffined told how that version hashes ([`kvaffine_settings`]) and how fast the model
-/// prefills; `config`'s block size, filter and daemon flags are completed, the rest
-/// stands.
-pub fn front(
-    replicas: &[VllmProcess],
-    prefill_tokens_per_second: &str,
-    config: crate::StackConfig,
-) -> anyhow::Result<crate::Stack> {
+/// kvaffined told how that version hashes ([`kvaffine_settings`]), and nothing of how fast
+/// the model prefills (it measures that); `config`'s block size, filter and daemon flags
+/// are completed, the rest stands.
+pub fn front(replicas: &[VllmProcess], config: crate::StackConfig) -> anyhow::Result<crate::Stack> {
     let first = replicas.first().context("no replica to front")?;
     let (version_filter, version_args) = kvaffine_settings(first.version());
     let mut filter = config.filter.clone();
@@ -122,15 +118,7 @@ pub fn front(
     {
         filter.extend(version);
     }
-    let daemon_args = [
-        vec![
-            "--prefill-tokens-per-second".to_owned(),
-            prefill_tokens_per_second.to_owned(),
-        ],
-        version_args,
-        config.daemon_args.clone(),
-    ]
-    .concat();
+    let daemon_args = [version_args, config.daemon_args.clone()].concat();
     crate::Stack::front(
         crate::StackConfig {
             block_size: first.block_size(),
@@ -177,20 +165,6 @@ impl Default for VllmSpec {
         }
     }
 }
-
-/// The tiny model's prefill rate for the ranking, until kvaffined measures it: a cold
-/// 6,600-token completion on one replica took 0.16-0.17 s (three runs, real vLLM 0.32.0,
-/// AMD EPYC), about 40,000 tokens/s. At the 5,000 default (a GPU's GPT-OSS-20B) its
-/// booked prefill outweighs its cache, and sequential continuations get moved off an idle
-/// warm replica as `saturated`.
-pub const TINY_PREFILL_TOKENS_PER_SECOND: &str = "40000";
-
-/// The benchmark model's prefill rate on one core, for the ranking until kvaffined
-/// measures it: a cold 6,600-token completion took 0.59 s when the model was chosen, and
-/// the cold 6,653-token prefill `bench seed --engine vllm` measures first took 0.65 s in
-/// its committed run (real vLLM 0.32.0, AMD EPYC; `docs/benchmarks/seed-vllm/README.md`):
-/// 10,000 to 11,000 tokens/s.
-pub const BENCH_PREFILL_TOKENS_PER_SECOND: &str = "11000";
 
 /// The name replicas serve the model under (requests name it in `model`).
 pub const SERVED_MODEL: &str = "kvaffine-test";

@@ -784,3 +784,108 @@ fn predictions_are_compared_with_what_the_replicas_served() {
     assert!(!metrics.contains("10.9.9.9"));
     assert!(metrics.contains("kvaffined_outcomes_total{endpoint=\"other\",result=\"exact\"} 1"));
 }
+
+/// kvaffined is told nothing of the replicas' speed: it learns each one's from the
+/// prefill histograms the replica exports, as vLLM does, and ranks with it.
+#[test]
+fn kvaffined_learns_each_replicas_prefill_speed_from_its_metrics() {
+    use kvaffine_e2e::Upstream;
+    use vllm_emu::harness::EmuProcess;
+    // The emulator's model prefills 1 / 0.1955 ms = 5,115 uncached tokens/s after a 40 ms
+    // fixed cost, both scaled by --time-scale: one replica three times as slow as the other.
+    let scales = [0.5, 1.5];
+    let replicas: Vec<EmuProcess> = scales
+        .iter()
+        .map(|scale| EmuProcess::start(&["--block-size", "16", "--time-scale", &scale.to_string()]))
+        .collect();
+    let upstreams = replicas
+        .iter()
+        .map(|r| Upstream::with_events(r.endpoint_flag()))
+        .collect();
+    let stack = Stack::front(StackConfig::default(), upstreams).unwrap();
+    let prefill = |endpoint: &str| -> Value {
+        let (status, text) =
+            vllm_emu::harness::http(&stack.daemon_addr, "GET", "/v1/endpoints", "");
+        assert_eq!(status, 200, "{text}");
+        let all: Value = serde_json::from_str(&text).unwrap();
+        all["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == endpoint)
+            .map(|e| e["prefill"].clone())
+            .unwrap()
+    };
+    for replica in &replicas {
+        assert_eq!(
+            prefill(&replica.http)["source"],
+            "default",
+            "nothing measured yet"
+        );
+    }
+    // New conversations of four lengths (about 200 to 2,000 tokens), so the fixed cost and
+    // the per-token speed can be told apart; sent one after another until both replicas
+    // have measured (a scrape every 500 ms reads what each finished).
+    let measured = |endpoint: &str| prefill(endpoint)["measured_tokens_per_second"].is_number();
+    let mut sent = 0;
+    while !replicas.iter().all(|r| measured(&r.http)) {
+        assert!(
+            sent < 40,
+            "{sent} requests and still not measured: {:?}",
+            replicas
+                .iter()
+                .map(|r| prefill(&r.http))
+                .collect::<Vec<_>>()
+        );
+        let words = 200 + (sent % 4) * 600;
+        let text: String = (0..words).map(|i| format!("s{sent}w{i} ")).collect();
+        let reply = chat(
+            &stack,
+            &json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        sent += 1;
+    }
+    for (replica, scale) in replicas.iter().zip(scales) {
+        let view = prefill(&replica.http);
+        let rate = view["measured_tokens_per_second"].as_f64().unwrap();
+        let overhead = view["measured_overhead_ms"].as_f64().unwrap();
+        let expected = 1e3 / 0.1955 / scale;
+        eprintln!("{} at time scale {scale}: {view}", replica.http);
+        assert!(
+            (rate / expected - 1.0).abs() < 0.2,
+            "{}: measured {rate:.0} tokens/s, its model prefills {expected:.0}: {view}",
+            replica.http
+        );
+        assert!(
+            overhead > 20.0 * scale && overhead < 80.0 * scale,
+            "{}: measured a {overhead:.1} ms fixed cost, its model has {} ms: {view}",
+            replica.http,
+            40.0 * scale
+        );
+        assert_eq!(
+            view["source"], "measured",
+            "3x apart, neither is the fleet's median"
+        );
+        assert_eq!(
+            view["tokens_per_second"],
+            view["measured_tokens_per_second"]
+        );
+    }
+    // Idle, the fast replica finishes a new prompt first: it is ranked first every time,
+    // by load (nothing cached anywhere).
+    for i in 0..4 {
+        let text: String = (0..800).map(|w| format!("n{i}w{w} ")).collect();
+        let reply = chat(
+            &stack,
+            &json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-kvaffine-reason"), Some("load"));
+        assert_eq!(
+            reply.header("x-served-by"),
+            Some(replicas[0].http.as_str()),
+            "request {i}"
+        );
+    }
+}

@@ -90,6 +90,14 @@ pub struct EngineStats {
     pub prefix_queries: u64,
     /// Prompt tokens served from it.
     pub prefix_hits: u64,
+    /// Finished requests (the count of both request histograms below).
+    pub finished: u64,
+    /// Seconds finished requests spent in prefill, from scheduled to first token
+    /// (`vllm:request_prefill_time_seconds_sum`).
+    pub prefill_seconds: f64,
+    /// Prompt tokens finished requests computed, cache hits left out
+    /// (`vllm:request_prefill_kv_computed_tokens_sum`).
+    pub computed_tokens: u64,
 }
 
 struct State {
@@ -100,6 +108,9 @@ struct State {
     prefill_queued: usize,
     prefix_queries: u64,
     prefix_hits: u64,
+    finished: u64,
+    prefill_seconds: f64,
+    computed_tokens: u64,
 }
 
 /// A request holding its admission; [`Engine::finish`] gives it back.
@@ -108,6 +119,8 @@ pub struct Admission {
     /// Prompt tokens served from the cache.
     pub cached_tokens: usize,
     digests: Vec<Digest>,
+    /// Its prefill, once run: seconds from scheduled to done, and tokens computed.
+    prefill: Option<(f64, usize)>,
 }
 
 /// The shared engine of one replica.
@@ -149,6 +162,9 @@ impl Engine {
                 prefill_queued: 0,
                 prefix_queries: 0,
                 prefix_hits: 0,
+                finished: 0,
+                prefill_seconds: 0.0,
+                computed_tokens: 0,
             }),
             admitted: Notify::new(),
             prefill_lane: tokio::sync::Mutex::new(()),
@@ -237,6 +253,7 @@ impl Engine {
                             holding,
                             cached_tokens,
                             digests,
+                            prefill: None,
                         });
                     }
                 }
@@ -262,6 +279,7 @@ impl Engine {
             None
         };
         // Scheduled now: what requests ahead of it cached meanwhile is a hit too.
+        let scheduled = std::time::Instant::now();
         {
             let block_size = self.keys.block_size();
             let hit_cap = tokens.len().saturating_sub(1) / block_size;
@@ -278,6 +296,10 @@ impl Engine {
         if timed {
             tokio::time::sleep(duration).await;
         }
+        admission.prefill = Some((
+            scheduled.elapsed().as_secs_f64(),
+            tokens.len().saturating_sub(admission.cached_tokens),
+        ));
         let mut state = self.state.lock();
         let digests = std::mem::take(&mut admission.digests);
         state
@@ -303,6 +325,12 @@ impl Engine {
             .extend(all_tokens, &digests, extras, &mut admission.holding);
         state.cache.release(admission.holding);
         state.running -= 1;
+        // vLLM observes its request histograms when a request finishes.
+        if let Some((seconds, computed)) = admission.prefill {
+            state.finished += 1;
+            state.prefill_seconds += seconds;
+            state.computed_tokens += computed as u64;
+        }
         self.flush(&mut state);
         drop(state);
         self.admitted.notify_waiters();
@@ -334,6 +362,9 @@ impl Engine {
             kv_cache_usage: state.cache.usage(),
             prefix_queries: state.prefix_queries,
             prefix_hits: state.prefix_hits,
+            finished: state.finished,
+            prefill_seconds: state.prefill_seconds,
+            computed_tokens: state.computed_tokens,
         }
     }
 }

@@ -882,6 +882,16 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
          # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
          # TYPE vllm:cache_config_info gauge\n\
          vllm:cache_config_info{{block_size=\"{block_size}\",enable_prefix_caching=\"True\",{labels},num_gpu_blocks=\"{blocks}\",prefix_caching_hash_algo=\"{algo}\"}} 1.0\n\
+         # HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.\n\
+         # TYPE vllm:request_prefill_time_seconds histogram\n\
+         vllm:request_prefill_time_seconds_bucket{{{labels},le=\"+Inf\"}} {finished}\n\
+         vllm:request_prefill_time_seconds_count{{{labels}}} {finished}\n\
+         vllm:request_prefill_time_seconds_sum{{{labels}}} {prefill_seconds}\n\
+         # HELP vllm:request_prefill_kv_computed_tokens Histogram of new KV tokens computed during prefill (excluding cached tokens).\n\
+         # TYPE vllm:request_prefill_kv_computed_tokens histogram\n\
+         vllm:request_prefill_kv_computed_tokens_bucket{{{labels},le=\"+Inf\"}} {finished}\n\
+         vllm:request_prefill_kv_computed_tokens_count{{{labels}}} {finished}\n\
+         vllm:request_prefill_kv_computed_tokens_sum{{{labels}}} {computed_tokens}\n\
          # HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n\
          # TYPE process_start_time_seconds gauge\n\
          process_start_time_seconds {started}\n",
@@ -890,6 +900,9 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         usage = stats.kv_cache_usage,
         queries = stats.prefix_queries,
         hits = stats.prefix_hits,
+        finished = stats.finished,
+        prefill_seconds = stats.prefill_seconds,
+        computed_tokens = stats.computed_tokens,
         blocks = app.num_gpu_blocks,
         algo = app.hash_algo_label,
         started = app.started,

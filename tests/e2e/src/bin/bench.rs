@@ -124,17 +124,13 @@ fn tokenizer_args(tokenizer: &str) -> anyhow::Result<Vec<String>> {
 /// Two real vLLM replicas of the tests' tiny model (64-token blocks) behind the stack: the
 /// routing path with vLLM's own `/tokenize`.
 fn real_stack() -> anyhow::Result<(Stack, Vec<kvaffine_e2e::vllm::VllmProcess>)> {
-    use kvaffine_e2e::vllm::{TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec, front};
+    use kvaffine_e2e::vllm::{VllmProcess, VllmSpec, front};
     let spec = VllmSpec {
         block_size: 64,
         ..VllmSpec::default()
     };
     let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
-    let stack = front(
-        &replicas,
-        TINY_PREFILL_TOKENS_PER_SECOND,
-        StackConfig::default(),
-    )?;
+    let stack = front(&replicas, StackConfig::default())?;
     Ok((stack, replicas))
 }
 
@@ -1069,7 +1065,7 @@ fn scenario_table(
 /// replica-restart (a real replica takes ~30 s to come back, longer than the workload).
 fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Run};
-    use kvaffine_e2e::vllm::{BENCH_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
+    use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
     const BLOCK: usize = 32;
     let out = std::path::Path::new(out);
     std::fs::create_dir_all(out)?;
@@ -1103,7 +1099,6 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
         }
         let mut engine = Engine::Vllm {
             replicas: VllmProcess::start_all(&[spec.clone(), spec])?,
-            prefill_tokens_per_second: BENCH_PREFILL_TOKENS_PER_SECOND.to_owned(),
         };
         for profile in PROFILES {
             real.push(scenarios::run(&mut engine, scenario, profile, "", daemons)?);
@@ -1168,7 +1163,7 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
 fn peers_vllm(out: &str) -> anyhow::Result<()> {
     use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::{Engine, Scenario};
-    use kvaffine_e2e::vllm::{BENCH_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
+    use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
     let spec = VllmSpec {
         model: "bench".to_owned(),
         block_size: 32,
@@ -1185,7 +1180,6 @@ fn peers_vllm(out: &str) -> anyhow::Result<()> {
     let runs = peers::run_all(workloads, |_| {
         Ok(Engine::Vllm {
             replicas: VllmProcess::start_all(&[spec.clone(), spec.clone()])?,
-            prefill_tokens_per_second: BENCH_PREFILL_TOKENS_PER_SECOND.to_owned(),
         })
     })?;
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();

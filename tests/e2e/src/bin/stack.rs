@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use kvaffine_e2e::client::post_json;
-use kvaffine_e2e::vllm::{SERVED_MODEL, TINY_PREFILL_TOKENS_PER_SECOND, VllmProcess, VllmSpec};
+use kvaffine_e2e::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
 use kvaffine_e2e::{Stack, StackConfig, Upstream};
 use serde_json::{Value, json};
 use vllm_emu::harness::http;
@@ -67,7 +67,7 @@ fn start_vllm(config: StackConfig, replicas: usize) -> anyhow::Result<Running> {
     };
     let processes = VllmProcess::start_all(&vec![spec; replicas])?;
     Ok(Running {
-        stack: kvaffine_e2e::vllm::front(&processes, TINY_PREFILL_TOKENS_PER_SECOND, config)?,
+        stack: kvaffine_e2e::vllm::front(&processes, config)?,
         _replicas: processes,
         model: SERVED_MODEL.to_owned(),
     })

@@ -1,0 +1,575 @@
+//! Each replica's prefill speed, learned from what the replica itself reports.
+//!
+//! vLLM observes two histograms for every finished request: the seconds it spent in
+//! prefill (`vllm:request_prefill_time_seconds`, first token less first scheduled) and
+//! the prompt tokens it computed, cache hits left out
+//! (`vllm:request_prefill_kv_computed_tokens`). Between two scrapes their `_count`,
+//! `_sum` deltas describe the same requests, so each scrape that saw requests finish is
+//! one sample: `n` requests, `k` computed tokens, `t` seconds. The model is
+//! `t = n * overhead + k / tokens_per_second`, fitted by least squares over the samples,
+//! older samples weighing less. Nothing here is set by hand: with no flag given, the
+//! ranking drains and weighs each replica's work at what it measured.
+
+use std::collections::VecDeque;
+
+use kvaffine_core::PrefillSpeed;
+use serde::Serialize;
+
+/// Each new sample multiplies the weight of the older ones by this: about the last 20
+/// scrapes that saw requests finish count (10 s of steady traffic at the default scrape
+/// interval), so the estimate follows a replica whose load or model changes.
+const DECAY: f64 = 0.95;
+
+/// Evidence needed before a replica's own figures replace the fleet's: a decayed count
+/// of requests and of computed tokens. Below it one tiny request (a health probe, a
+/// "hi") would make a fast replica look slow.
+const MIN_REQUESTS: f64 = 2.0;
+const MIN_COMPUTED_TOKENS: f64 = 2048.0;
+
+/// Below this share of its diagonal, the fit's determinant says every sample had about
+/// the same tokens per request: overhead and speed cannot be told apart, and the speed is
+/// the plain ratio (the overhead folded into it, right for requests of that size).
+const MIN_CONDITION: f64 = 0.05;
+
+/// Speeds are kept within these bounds: an instant replica (the emulator at time scale
+/// 0 reports no prefill time) drains its queue at once, not at infinity.
+const MAX_TOKENS_PER_SECOND: f64 = 1e9;
+const MIN_TOKENS_PER_SECOND: f64 = 1.0;
+
+/// Cumulative prefill figures from one scrape, summed over the replica's engines.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillCounters {
+    /// `vllm:request_prefill_time_seconds_count`.
+    pub requests: f64,
+    /// `vllm:request_prefill_time_seconds_sum`.
+    pub seconds: f64,
+    /// `vllm:request_prefill_kv_computed_tokens_sum`.
+    pub computed_tokens: f64,
+}
+
+/// Weighted sums of the samples, the normal equations of the fit.
+#[derive(Clone, Copy, Debug, Default)]
+struct Sums {
+    nn: f64,
+    nk: f64,
+    kk: f64,
+    nt: f64,
+    kt: f64,
+    n: f64,
+    k: f64,
+    t: f64,
+}
+
+impl Sums {
+    fn decay_and_add(&mut self, n: f64, k: f64, t: f64) {
+        for sum in [
+            &mut self.nn,
+            &mut self.nk,
+            &mut self.kk,
+            &mut self.nt,
+            &mut self.kt,
+            &mut self.n,
+            &mut self.k,
+            &mut self.t,
+        ] {
+            *sum *= DECAY;
+        }
+        self.nn += n * n;
+        self.nk += n * k;
+        self.kk += k * k;
+        self.nt += n * t;
+        self.kt += k * t;
+        self.n += n;
+        self.k += k;
+        self.t += t;
+    }
+
+    /// Seconds per request and per computed token, or None without enough evidence.
+    fn fit(&self) -> Option<(f64, f64)> {
+        if self.n < MIN_REQUESTS || self.k < MIN_COMPUTED_TOKENS {
+            return None;
+        }
+        let det = self.nn * self.kk - self.nk * self.nk;
+        if det > MIN_CONDITION * self.nn * self.kk {
+            let per_request = (self.kk * self.nt - self.nk * self.kt) / det;
+            let per_token = (self.nn * self.kt - self.nk * self.nt) / det;
+            if per_request >= 0.0 && per_token > 0.0 {
+                return Some((per_request, per_token));
+            }
+        }
+        Some((0.0, self.t / self.k))
+    }
+}
+
+/// What one replica's scrapes taught about its prefill.
+#[derive(Clone, Debug, Default)]
+pub struct SpeedLearner {
+    last: Option<PrefillCounters>,
+    sums: Sums,
+    samples: u64,
+}
+
+impl SpeedLearner {
+    /// Takes one scrape's counters. A counter that went back is a restarted replica: its
+    /// figures so far stay (the same model on the same hardware), the new baseline is
+    /// taken from here.
+    pub fn observe(&mut self, now: PrefillCounters) {
+        let last = self.last.replace(now);
+        let Some(last) = last else { return };
+        let n = now.requests - last.requests;
+        let t = now.seconds - last.seconds;
+        let k = now.computed_tokens - last.computed_tokens;
+        if n < 0.0 || t < 0.0 || k < 0.0 || n == 0.0 {
+            return;
+        }
+        self.sums.decay_and_add(n, k, t);
+        self.samples += 1;
+    }
+
+    /// The replica's own speed, once there is enough evidence.
+    pub fn measured(&self) -> Option<PrefillSpeed> {
+        let (per_request, per_token) = self.sums.fit()?;
+        let tokens_per_second =
+            (1.0 / per_token).clamp(MIN_TOKENS_PER_SECOND, MAX_TOKENS_PER_SECOND);
+        Some(PrefillSpeed {
+            tokens_per_second,
+            overhead_tokens: per_request * tokens_per_second,
+        })
+    }
+
+    /// Scrapes that saw requests finish.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+}
+
+/// Where a replica's speed comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpeedSource {
+    /// Its own metrics.
+    Measured,
+    /// The median of the measured replicas: it is not measured yet, or measured within
+    /// 10% of that median.
+    Fleet,
+    /// Nothing measured anywhere: [`PrefillSpeed::DEFAULT`].
+    Default,
+    /// `--prefill-tokens-per-second` (and `--request-overhead-tokens`) given.
+    Flags,
+}
+
+/// A replica's speed as the ranking uses it, as `/v1/endpoints` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SpeedView {
+    /// Uncached prompt tokens prefilled per second.
+    pub tokens_per_second: f64,
+    /// A request's fixed prefill cost, in milliseconds.
+    pub overhead_ms: f64,
+    /// Where the figures come from.
+    pub source: SpeedSource,
+    /// What its own metrics measured, once they are enough to go by.
+    pub measured_tokens_per_second: Option<f64>,
+    /// The fixed cost they measured, in milliseconds.
+    pub measured_overhead_ms: Option<f64>,
+    /// Scrapes that saw its requests finish.
+    pub samples: u64,
+}
+
+impl Default for SpeedView {
+    fn default() -> Self {
+        Self {
+            tokens_per_second: PrefillSpeed::DEFAULT.tokens_per_second,
+            overhead_ms: PrefillSpeed::DEFAULT.overhead_tokens
+                / PrefillSpeed::DEFAULT.tokens_per_second
+                * 1e3,
+            source: SpeedSource::Default,
+            measured_tokens_per_second: None,
+            measured_overhead_ms: None,
+            samples: 0,
+        }
+    }
+}
+
+impl SpeedView {
+    /// The figures the ranking weighs with.
+    pub fn speed(&self) -> PrefillSpeed {
+        PrefillSpeed {
+            tokens_per_second: self.tokens_per_second,
+            overhead_tokens: self.overhead_ms / 1e3 * self.tokens_per_second,
+        }
+    }
+}
+
+/// Operator overrides: a flag given fixes that figure for every replica.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SpeedFlags {
+    /// `--prefill-tokens-per-second`.
+    pub tokens_per_second: Option<f64>,
+    /// `--request-overhead-tokens`.
+    pub overhead_tokens: Option<f64>,
+}
+
+/// Replicas whose measured speed is within this fraction of the fleet's median are ranked
+/// at the median: a fleet of one model on one kind of hardware then ranks with exactly
+/// equal speeds (requests nothing else tells apart take turns, as they did before speeds
+/// were measured) instead of sending every new prompt to whichever replica measured a
+/// percent faster. A replica 2x slower stays apart.
+const SAME_SPEED: f64 = 0.1;
+
+/// Every replica's speed, from what each measured: its own figures once it has enough
+/// evidence and they stand apart from the fleet's median, the median where they do not
+/// or where it has no evidence yet (a replica that joins a measured fleet is ranked as
+/// its peers until it has served some requests, so it is not starved), else the
+/// default; a flag overrides its figure everywhere.
+pub fn speeds(measured: &[(Option<PrefillSpeed>, u64)], flags: SpeedFlags) -> Vec<SpeedView> {
+    let median = |mut values: Vec<f64>| -> Option<f64> {
+        values.sort_by(f64::total_cmp);
+        let mid = values.len() / 2;
+        match values.len() {
+            0 => None,
+            n if n % 2 == 1 => values.get(mid).copied(),
+            _ => Some((values.get(mid - 1)? + values.get(mid)?) / 2.0),
+        }
+    };
+    let known: Vec<PrefillSpeed> = measured.iter().filter_map(|(m, _)| *m).collect();
+    let fleet = median(known.iter().map(|s| s.tokens_per_second).collect()).and_then(|rate| {
+        let overhead_seconds = median(
+            known
+                .iter()
+                .map(|s| s.overhead_tokens / s.tokens_per_second)
+                .collect(),
+        )?;
+        Some(PrefillSpeed {
+            tokens_per_second: rate,
+            overhead_tokens: overhead_seconds * rate,
+        })
+    });
+    measured
+        .iter()
+        .map(|&(own, samples)| {
+            let (speed, source) = match (own, fleet) {
+                (Some(own), Some(fleet))
+                    if (own.tokens_per_second / fleet.tokens_per_second - 1.0).abs()
+                        <= SAME_SPEED =>
+                {
+                    (fleet, SpeedSource::Fleet)
+                }
+                (Some(own), _) => (own, SpeedSource::Measured),
+                (None, Some(fleet)) => (fleet, SpeedSource::Fleet),
+                (None, None) => (PrefillSpeed::DEFAULT, SpeedSource::Default),
+            };
+            let tokens_per_second = flags.tokens_per_second.unwrap_or(speed.tokens_per_second);
+            let overhead_tokens = match (flags.overhead_tokens, flags.tokens_per_second) {
+                (Some(tokens), _) => tokens,
+                // A fixed rate keeps the measured overhead in seconds.
+                (None, Some(rate)) => speed.overhead_tokens / speed.tokens_per_second * rate,
+                (None, None) => speed.overhead_tokens,
+            };
+            let flagged = flags.tokens_per_second.is_some() && flags.overhead_tokens.is_some();
+            SpeedView {
+                tokens_per_second,
+                overhead_ms: overhead_tokens / tokens_per_second * 1e3,
+                source: if flagged { SpeedSource::Flags } else { source },
+                measured_tokens_per_second: own.map(|s| s.tokens_per_second),
+                measured_overhead_ms: own.map(|s| s.overhead_tokens / s.tokens_per_second * 1e3),
+                samples,
+            }
+        })
+        .collect()
+}
+
+/// Prefill queued on one replica by picks, first in first out, as of `at`.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillQueue {
+    /// Each pick's work not yet drained, with the last block key it booked (None for a
+    /// text-keyed pick, which no event confirms).
+    items: VecDeque<(Option<u64>, f64)>,
+    total: f64,
+    at: Option<std::time::Instant>,
+}
+
+/// Picks remembered per replica; past it the two oldest merge (the older one's own
+/// confirmation is then lost, and it drains with the newer).
+const MAX_QUEUED_PICKS: usize = 1024;
+
+impl PrefillQueue {
+    /// Drains what `tokens_per_second` prefilled since the last change, oldest first.
+    pub fn settle(&mut self, now: std::time::Instant, tokens_per_second: f64) {
+        let mut drained = self.at.map_or(0.0, |at| {
+            now.saturating_duration_since(at).as_secs_f64() * tokens_per_second
+        });
+        self.at = Some(now);
+        while drained > 0.0 {
+            let Some(front) = self.items.front_mut() else {
+                break;
+            };
+            if front.1 > drained {
+                front.1 -= drained;
+                self.total -= drained;
+                break;
+            }
+            drained -= front.1;
+            self.total -= front.1;
+            self.items.pop_front();
+        }
+        if self.items.is_empty() {
+            self.total = 0.0;
+        }
+    }
+
+    /// A pick at `now` queues `work` tokens, confirmed once the replica stores `last_key`.
+    pub fn add(
+        &mut self,
+        work: f64,
+        last_key: Option<u64>,
+        now: std::time::Instant,
+        tokens_per_second: f64,
+    ) {
+        self.settle(now, tokens_per_second);
+        self.items.push_back((last_key, work));
+        self.total += work;
+        if self.items.len() > MAX_QUEUED_PICKS {
+            if let Some((_, older)) = self.items.pop_front() {
+                if let Some(front) = self.items.front_mut() {
+                    front.1 += older;
+                }
+            }
+        }
+    }
+
+    /// The replica stored these keys: the newest pick ending in one of them is prefilled,
+    /// and so is every pick queued before it (a replica schedules first come, first
+    /// served). The events say so before any speed estimate could.
+    pub fn confirm(&mut self, stored: &[u64], now: std::time::Instant, tokens_per_second: f64) {
+        if self.items.is_empty() {
+            return;
+        }
+        self.settle(now, tokens_per_second);
+        let stored: std::collections::HashSet<u64> = stored.iter().copied().collect();
+        let Some(done) = self
+            .items
+            .iter()
+            .rposition(|(key, _)| key.is_some_and(|k| stored.contains(&k)))
+        else {
+            return;
+        };
+        for (_, work) in self.items.drain(..=done) {
+            self.total -= work;
+        }
+        if self.items.is_empty() {
+            self.total = 0.0;
+        }
+    }
+
+    /// Tokens still queued at `now`.
+    pub fn pending(&self, now: std::time::Instant, tokens_per_second: f64) -> f64 {
+        let drained = self.at.map_or(0.0, |at| {
+            now.saturating_duration_since(at).as_secs_f64() * tokens_per_second
+        });
+        (self.total - drained).max(0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    fn counters(requests: f64, seconds: f64, computed_tokens: f64) -> PrefillCounters {
+        PrefillCounters {
+            requests,
+            seconds,
+            computed_tokens,
+        }
+    }
+
+    /// Feeds scrapes of requests that each take `overhead + tokens / rate`.
+    fn feed(learner: &mut SpeedLearner, sizes: &[(f64, f64)], overhead: f64, rate: f64) {
+        let mut total = learner.last.unwrap_or_default();
+        learner.observe(total);
+        for &(n, tokens) in sizes {
+            total.requests += n;
+            total.computed_tokens += n * tokens;
+            total.seconds += n * (overhead + tokens / rate);
+            learner.observe(total);
+        }
+    }
+
+    #[test]
+    fn speed_and_overhead_are_told_apart_by_requests_of_different_sizes() {
+        let mut learner = SpeedLearner::default();
+        feed(
+            &mut learner,
+            &[
+                (1.0, 6000.0),
+                (1.0, 64.0),
+                (2.0, 1500.0),
+                (1.0, 6000.0),
+                (3.0, 100.0),
+            ],
+            0.04,
+            8000.0,
+        );
+        let speed = learner.measured().unwrap();
+        assert!((speed.tokens_per_second - 8000.0).abs() < 1e-6, "{speed:?}");
+        assert!((speed.overhead_tokens - 320.0).abs() < 1e-6, "{speed:?}");
+        assert_eq!(learner.samples(), 5);
+    }
+
+    #[test]
+    fn requests_of_one_size_give_the_plain_ratio() {
+        let mut learner = SpeedLearner::default();
+        feed(&mut learner, &[(1.0, 4000.0); 4], 0.1, 10_000.0);
+        let speed = learner.measured().unwrap();
+        // 0.5 s per 4,000 tokens, the overhead folded in.
+        assert!((speed.tokens_per_second - 8000.0).abs() < 1e-6, "{speed:?}");
+        assert_eq!(speed.overhead_tokens, 0.0);
+    }
+
+    #[test]
+    fn too_little_evidence_measures_nothing() {
+        let mut learner = SpeedLearner::default();
+        learner.observe(counters(0.0, 0.0, 0.0));
+        assert_eq!(learner.measured(), None);
+        // One probe of a few tokens is no measure of a replica.
+        learner.observe(counters(1.0, 0.04, 10.0));
+        learner.observe(counters(2.0, 0.08, 20.0));
+        assert_eq!(learner.measured(), None);
+        learner.observe(counters(3.0, 0.5, 4020.0));
+        assert!(learner.measured().is_some());
+    }
+
+    #[test]
+    fn a_restart_takes_a_new_baseline_and_keeps_what_was_learned() {
+        let mut learner = SpeedLearner::default();
+        feed(&mut learner, &[(1.0, 4000.0); 3], 0.0, 4000.0);
+        let before = learner.measured().unwrap();
+        learner.observe(counters(1.0, 0.01, 5.0));
+        assert_eq!(learner.measured(), Some(before));
+        // The first sample after the restart counts from the new baseline.
+        learner.observe(counters(2.0, 1.01, 4005.0));
+        assert_eq!(learner.samples(), 4);
+    }
+
+    #[test]
+    fn an_instant_replica_is_fast_not_infinite() {
+        let mut learner = SpeedLearner::default();
+        feed(&mut learner, &[(2.0, 3000.0); 2], 0.0, f64::INFINITY);
+        let speed = learner.measured().unwrap();
+        assert_eq!(speed.tokens_per_second, MAX_TOKENS_PER_SECOND);
+        assert!(speed.seconds(1e6).is_finite());
+    }
+
+    #[test]
+    fn unmeasured_replicas_take_the_fleets_median_and_flags_override() {
+        let speed = |tokens_per_second: f64, overhead_ms: f64| PrefillSpeed {
+            tokens_per_second,
+            overhead_tokens: overhead_ms / 1e3 * tokens_per_second,
+        };
+        let (fast, slow) = (speed(20_000.0, 20.0), speed(10_000.0, 40.0));
+        let views = speeds(
+            &[(Some(fast), 9), (None, 0), (Some(slow), 3)],
+            SpeedFlags::default(),
+        );
+        let sources: Vec<SpeedSource> = views.iter().map(|v| v.source).collect();
+        assert_eq!(
+            sources,
+            [
+                SpeedSource::Measured,
+                SpeedSource::Fleet,
+                SpeedSource::Measured
+            ]
+        );
+        assert_eq!(views[1].tokens_per_second, 15_000.0);
+        assert!(
+            (views[1].overhead_ms - 30.0).abs() < 1e-9,
+            "the median of 20 and 40 ms"
+        );
+        assert_eq!(views[0].speed(), fast);
+        assert_eq!(views[1].measured_tokens_per_second, None);
+        let views = speeds(&[(None, 0)], SpeedFlags::default());
+        assert_eq!(views[0].source, SpeedSource::Default);
+        assert_eq!(views[0].speed(), PrefillSpeed::DEFAULT);
+        let flags = SpeedFlags {
+            tokens_per_second: Some(40_000.0),
+            overhead_tokens: None,
+        };
+        let views = speeds(&[(Some(fast), 9)], flags);
+        assert_eq!(views[0].tokens_per_second, 40_000.0);
+        assert_eq!(views[0].measured_tokens_per_second, Some(20_000.0));
+        assert!(
+            (views[0].overhead_ms - 20.0).abs() < 1e-9,
+            "the measured overhead stays"
+        );
+        let flags = SpeedFlags {
+            tokens_per_second: Some(40_000.0),
+            overhead_tokens: Some(200.0),
+        };
+        assert_eq!(
+            speeds(&[(Some(fast), 9)], flags)[0].source,
+            SpeedSource::Flags
+        );
+    }
+
+    #[test]
+    fn replicas_measured_close_to_the_fleets_median_rank_at_it() {
+        let speed = |tokens_per_second: f64| PrefillSpeed {
+            tokens_per_second,
+            overhead_tokens: 0.0,
+        };
+        let views = speeds(
+            &[(Some(speed(41_000.0)), 5), (Some(speed(39_000.0)), 5)],
+            SpeedFlags::default(),
+        );
+        assert_eq!(views[0].speed(), views[1].speed(), "{views:?}");
+        assert_eq!(views[0].source, SpeedSource::Fleet);
+        assert_eq!(views[0].measured_tokens_per_second, Some(41_000.0));
+        // One replica of three at half speed stays apart; the other two rank equal.
+        let views = speeds(
+            &[
+                (Some(speed(20_000.0)), 5),
+                (Some(speed(10_000.0)), 5),
+                (Some(speed(20_500.0)), 5),
+            ],
+            SpeedFlags::default(),
+        );
+        assert_eq!(views[1].tokens_per_second, 10_000.0);
+        assert_eq!(views[0].speed(), views[2].speed());
+    }
+
+    #[test]
+    fn the_queue_drains_oldest_first_and_events_confirm_picks_at_once() {
+        let now = Instant::now();
+        let mut queue = PrefillQueue::default();
+        queue.add(300.0, Some(1), now, 1000.0);
+        queue.add(300.0, Some(2), now, 1000.0);
+        queue.add(300.0, None, now, 1000.0);
+        assert_eq!(queue.pending(now, 1000.0), 900.0);
+        let later = now + Duration::from_millis(100);
+        assert_eq!(queue.pending(later, 1000.0), 800.0);
+        // The replica stored the second pick's last block: it, and the first, are done,
+        // however slowly the estimate drained them.
+        queue.confirm(&[7, 2], later, 1000.0);
+        assert_eq!(queue.pending(later, 1000.0), 300.0);
+        // A key no queued pick ends in confirms nothing.
+        queue.confirm(&[1], later, 1000.0);
+        assert_eq!(queue.pending(later, 1000.0), 300.0);
+        assert_eq!(queue.pending(later + Duration::from_secs(1), 1000.0), 0.0);
+        queue.add(50.0, Some(3), later + Duration::from_secs(1), 1000.0);
+        assert_eq!(queue.pending(later + Duration::from_secs(1), 1000.0), 50.0);
+    }
+
+    #[test]
+    fn the_queue_remembers_a_bounded_number_of_picks() {
+        let now = Instant::now();
+        let mut queue = PrefillQueue::default();
+        for key in 0..(MAX_QUEUED_PICKS as u64 + 10) {
+            queue.add(1.0, Some(key), now, 1.0);
+        }
+        assert_eq!(queue.items.len(), MAX_QUEUED_PICKS);
+        assert_eq!(queue.pending(now, 1.0), MAX_QUEUED_PICKS as f64 + 10.0);
+        queue.confirm(&[MAX_QUEUED_PICKS as u64 + 9], now, 1.0);
+        assert_eq!(queue.pending(now, 1.0), 0.0);
+    }
+}

@@ -193,8 +193,8 @@ impl PickPolicy {
 
     /// The usable candidate a request with nothing cached anywhere would be ranked first
     /// at: where a tokenizer call is cheapest. One pass, no ordering of the rest (every
-    /// lookup asks). A request of no blocks costs only the queue in front of it, whatever a
-    /// candidate holds.
+    /// lookup asks). A request of no blocks costs the queue in front of it and the
+    /// replica's fixed cost, at its speed, whatever a candidate holds.
     pub fn least_busy(&self, candidates: &[Candidate], rotation: usize) -> Option<usize> {
         (0..candidates.len())
             .filter(|&i| candidates.get(i).is_some_and(|c| c.usable && !c.gone))

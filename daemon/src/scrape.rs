@@ -22,8 +22,8 @@ pub struct Scrape {
     pub hash_algo: Option<String>,
     /// `vllm:prefix_cache_hits_total` (tokens), summed over engines.
     pub prefix_cache_hits: Option<f64>,
-    /// Finished requests' prefill time and computed tokens, summed over engines; None
-    /// unless all three series are there (vLLM 0.24 and later export them).
+    /// Finished requests' prefill time, computed and prompt tokens, summed over engines;
+    /// None unless the first three series are there (vLLM 0.24 and later export them).
     pub prefill: Option<PrefillCounters>,
 }
 
@@ -83,7 +83,7 @@ fn label<'a>(labels: &'a [(&str, String)], name: &str) -> Option<&'a str> {
 /// Reads the series kvaffine uses from a Prometheus text exposition.
 pub fn parse_metrics(text: &str) -> Scrape {
     let mut scrape = Scrape::default();
-    let (mut requests, mut seconds, mut computed) = (None, None, None);
+    let (mut requests, mut seconds, mut computed, mut prompt) = (None, None, None, None);
     let add = |sum: &mut Option<f64>, value: f64| *sum.get_or_insert(0.0) += value;
     for line in text
         .lines()
@@ -111,6 +111,7 @@ pub fn parse_metrics(text: &str) -> Scrape {
             "vllm:request_prefill_time_seconds_count" => add(&mut requests, value),
             "vllm:request_prefill_time_seconds_sum" => add(&mut seconds, value),
             "vllm:request_prefill_kv_computed_tokens_sum" => add(&mut computed, value),
+            "vllm:request_prompt_tokens_sum" => add(&mut prompt, value),
             _ => {}
         }
     }
@@ -119,6 +120,7 @@ pub fn parse_metrics(text: &str) -> Scrape {
             requests,
             seconds,
             computed_tokens,
+            prompt_tokens: prompt.unwrap_or(computed_tokens),
         });
     }
     scrape
@@ -263,6 +265,7 @@ vllm:request_prefill_time_seconds_sum{engine="1",model_name="qwen"} 0.25
 vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="qwen"} 3.0
 vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="qwen"} 6000.0
 vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="qwen"} 2000.0
+vllm:request_prompt_tokens_sum{engine="0",model_name="qwen"} 9000.0
 "#;
         let scrape = parse_metrics(text);
         assert_eq!(
@@ -282,7 +285,8 @@ vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="qwen"} 2000.0
             Some(PrefillCounters {
                 requests: 4.0,
                 seconds: 1.0,
-                computed_tokens: 8000.0
+                computed_tokens: 8000.0,
+                prompt_tokens: 9000.0
             })
         );
         // An older vLLM without the computed-token histogram teaches nothing.

@@ -185,6 +185,9 @@ impl Fleet {
             slot,
             status: Mutex::new(EndpointStatus {
                 alignment: "unknown",
+                speed: crate::speed::SpeedLearner::new(
+                    self.daemon.settings.policy.cached_token_cost,
+                ),
                 ..EndpointStatus::default()
             }),
             stop: AtomicBool::new(false),
@@ -247,6 +250,22 @@ impl Fleet {
         metrics.incomplete.remove(&endpoint.label);
         metrics.misconfigured.remove(&endpoint.label);
         metrics.kv_cache_unsupported.remove(&endpoint.label);
+        // Its speed leaves the fleet's median; its series go with its last stream.
+        self.daemon.forget_speed(endpoint.slot);
+        let replica = crate::metrics::EndpointLabel {
+            endpoint: endpoint.spec.endpoint.clone(),
+        };
+        let others = self
+            .daemon
+            .endpoints
+            .read()
+            .iter()
+            .any(|e| e.spec.endpoint == endpoint.spec.endpoint);
+        if !others {
+            metrics.prefill_tokens_per_second.remove(&replica);
+            metrics.prefill_overhead_seconds.remove(&replica);
+        }
+        self.daemon.refresh_speeds(std::time::Instant::now());
     }
 }
 

@@ -1,14 +1,16 @@
 //! Each replica's prefill speed, learned from what the replica itself reports.
 //!
-//! vLLM observes two histograms for every finished request: the seconds it spent in
-//! prefill (`vllm:request_prefill_time_seconds`, first token less first scheduled) and
-//! the prompt tokens it computed, cache hits left out
-//! (`vllm:request_prefill_kv_computed_tokens`). Between two scrapes their `_count`,
-//! `_sum` deltas describe the same requests, so each scrape that saw requests finish is
-//! one sample: `n` requests, `k` computed tokens, `t` seconds. The model is
-//! `t = n * overhead + k / tokens_per_second`, fitted by least squares over the samples,
-//! older samples weighing less. Nothing here is set by hand: with no flag given, the
-//! ranking drains and weighs each replica's work at what it measured.
+//! vLLM observes three histograms for every finished request: the seconds it spent in
+//! prefill (`vllm:request_prefill_time_seconds`, first token less first scheduled), the
+//! prompt tokens it computed, cache hits left out
+//! (`vllm:request_prefill_kv_computed_tokens`), and its prompt tokens
+//! (`vllm:request_prompt_tokens`). Between two scrapes their `_count`, `_sum` deltas
+//! describe the same requests, so each scrape that saw requests finish is one sample: `n`
+//! requests, `k` computed tokens, `c` cached ones, `t` seconds. The model is the
+//! ranking's own, `t = n * overhead + (k + cached_token_cost * c) / tokens_per_second`,
+//! fitted by least squares over the samples, older samples weighing less. Nothing here is
+//! set by hand: with no flag given, the ranking drains and weighs each replica's work at
+//! what it measured.
 
 use std::collections::VecDeque;
 
@@ -45,6 +47,9 @@ pub struct PrefillCounters {
     pub seconds: f64,
     /// `vllm:request_prefill_kv_computed_tokens_sum`.
     pub computed_tokens: f64,
+    /// `vllm:request_prompt_tokens_sum`, when exported (else the computed tokens: nothing
+    /// counts as cached).
+    pub prompt_tokens: f64,
 }
 
 /// Weighted sums of the samples, the normal equations of the fit.
@@ -102,33 +107,69 @@ impl Sums {
 }
 
 /// What one replica's scrapes taught about its prefill.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SpeedLearner {
+    /// What a cached prompt token costs against a computed one (the ranking's
+    /// `--cached-token-cost`), so the fit weighs work as the ranking does.
+    cached_token_cost: f64,
     last: Option<PrefillCounters>,
     sums: Sums,
     samples: u64,
 }
 
+impl Default for SpeedLearner {
+    fn default() -> Self {
+        Self::new(kvaffine_core::PickPolicy::default().cached_token_cost)
+    }
+}
+
 impl SpeedLearner {
+    /// Learns nothing yet; counts a cached prompt token as `cached_token_cost` of a
+    /// computed one.
+    pub fn new(cached_token_cost: f64) -> Self {
+        Self {
+            cached_token_cost,
+            last: None,
+            sums: Sums::default(),
+            samples: 0,
+        }
+    }
+
     /// Takes one scrape's counters. A counter that went back is a restarted replica: its
     /// figures so far stay (the same model on the same hardware), the new baseline is
-    /// taken from here.
+    /// taken from here. A value that is not a finite number teaches nothing.
     pub fn observe(&mut self, now: PrefillCounters) {
+        let finite = [
+            now.requests,
+            now.seconds,
+            now.computed_tokens,
+            now.prompt_tokens,
+        ]
+        .iter()
+        .all(|v| v.is_finite());
+        if !finite {
+            return;
+        }
         let last = self.last.replace(now);
         let Some(last) = last else { return };
         let n = now.requests - last.requests;
         let t = now.seconds - last.seconds;
         let k = now.computed_tokens - last.computed_tokens;
-        if n < 0.0 || t < 0.0 || k < 0.0 || n == 0.0 {
+        let cached = (now.prompt_tokens - last.prompt_tokens - k).max(0.0);
+        if n <= 0.0 || t < 0.0 || k < 0.0 {
             return;
         }
-        self.sums.decay_and_add(n, k, t);
+        self.sums
+            .decay_and_add(n, k + self.cached_token_cost * cached, t);
         self.samples += 1;
     }
 
     /// The replica's own speed, once there is enough evidence.
     pub fn measured(&self) -> Option<PrefillSpeed> {
         let (per_request, per_token) = self.sums.fit()?;
+        if !(per_request.is_finite() && per_token.is_finite()) {
+            return None;
+        }
         let tokens_per_second =
             (1.0 / per_token).clamp(MIN_TOKENS_PER_SECOND, MAX_TOKENS_PER_SECOND);
         Some(PrefillSpeed {
@@ -261,9 +302,12 @@ pub fn speeds(measured: &[(Option<PrefillSpeed>, u64)], flags: SpeedFlags) -> Ve
             let tokens_per_second = flags.tokens_per_second.unwrap_or(speed.tokens_per_second);
             let overhead_tokens = match (flags.overhead_tokens, flags.tokens_per_second) {
                 (Some(tokens), _) => tokens,
-                // A fixed rate keeps the measured overhead in seconds.
-                (None, Some(rate)) => speed.overhead_tokens / speed.tokens_per_second * rate,
-                (None, None) => speed.overhead_tokens,
+                // A fixed rate keeps a measured overhead in seconds; with nothing measured
+                // the overhead stays the default's 200 tokens, as it was with that flag.
+                (None, Some(rate)) if source != SpeedSource::Default => {
+                    speed.overhead_tokens / speed.tokens_per_second * rate
+                }
+                (None, _) => speed.overhead_tokens,
             };
             let flagged = flags.tokens_per_second.is_some() && flags.overhead_tokens.is_some();
             SpeedView {
@@ -298,7 +342,9 @@ impl PrefillQueue {
         let mut drained = self.at.map_or(0.0, |at| {
             now.saturating_duration_since(at).as_secs_f64() * tokens_per_second
         });
-        self.at = Some(now);
+        // A lookup's `now` may be older than a confirmation's: the clock never goes back,
+        // or that interval would drain twice.
+        self.at = Some(self.at.map_or(now, |at| at.max(now)));
         while drained > 0.0 {
             let Some(front) = self.items.front_mut() else {
                 break;
@@ -337,25 +383,24 @@ impl PrefillQueue {
         }
     }
 
-    /// The replica stored these keys: the newest pick ending in one of them is prefilled,
-    /// and so is every pick queued before it (a replica schedules first come, first
-    /// served). The events say so before any speed estimate could.
+    /// The replica stored these keys: the picks ending in one of them are prefilled,
+    /// which its events say before any speed estimate could. Picks queued before them are
+    /// left to drain: a pick's last block may be an early block of a longer prompt still
+    /// being prefilled.
     pub fn confirm(&mut self, stored: &[u64], now: std::time::Instant, tokens_per_second: f64) {
         if self.items.is_empty() {
             return;
         }
         self.settle(now, tokens_per_second);
         let stored: std::collections::HashSet<u64> = stored.iter().copied().collect();
-        let Some(done) = self
-            .items
-            .iter()
-            .rposition(|(key, _)| key.is_some_and(|k| stored.contains(&k)))
-        else {
-            return;
-        };
-        for (_, work) in self.items.drain(..=done) {
-            self.total -= work;
-        }
+        let total = &mut self.total;
+        self.items.retain(|(key, work)| {
+            let done = key.is_some_and(|k| stored.contains(&k));
+            if done {
+                *total -= work;
+            }
+            !done
+        });
         if self.items.is_empty() {
             self.total = 0.0;
         }
@@ -381,6 +426,7 @@ mod tests {
             requests,
             seconds,
             computed_tokens,
+            prompt_tokens: computed_tokens,
         }
     }
 
@@ -391,6 +437,7 @@ mod tests {
         for &(n, tokens) in sizes {
             total.requests += n;
             total.computed_tokens += n * tokens;
+            total.prompt_tokens += n * tokens;
             total.seconds += n * (overhead + tokens / rate);
             learner.observe(total);
         }
@@ -415,6 +462,48 @@ mod tests {
         assert!((speed.tokens_per_second - 8000.0).abs() < 1e-6, "{speed:?}");
         assert!((speed.overhead_tokens - 320.0).abs() < 1e-6, "{speed:?}");
         assert_eq!(learner.samples(), 5);
+    }
+
+    #[test]
+    fn cached_tokens_cost_what_the_ranking_says_and_no_more() {
+        // 6,000-token continuations of which 5,800 are cached, beside 2,000-token cold
+        // prompts, on a replica that prefills 10,000 tokens/s after 40 ms and attends over
+        // a cached token at a tenth of the cost.
+        let mut learner = SpeedLearner::new(0.1);
+        let mut total = PrefillCounters::default();
+        learner.observe(total);
+        for (computed, prompt) in [
+            (200.0, 6000.0),
+            (2000.0, 2000.0),
+            (200.0, 6000.0),
+            (2000.0, 2000.0),
+        ] {
+            total.requests += 1.0;
+            total.computed_tokens += computed;
+            total.prompt_tokens += prompt;
+            total.seconds += 0.04 + (computed + 0.1 * (prompt - computed)) / 10_000.0;
+            learner.observe(total);
+        }
+        let speed = learner.measured().unwrap();
+        assert!(
+            (speed.tokens_per_second - 10_000.0).abs() < 1e-6,
+            "{speed:?}"
+        );
+        assert!((speed.overhead_tokens - 400.0).abs() < 1e-6, "{speed:?}");
+    }
+
+    #[test]
+    fn a_value_that_is_not_a_number_teaches_nothing() {
+        let mut learner = SpeedLearner::default();
+        feed(&mut learner, &[(1.0, 4000.0); 3], 0.0, 4000.0);
+        let before = learner.measured();
+        let mut bad = learner.last.unwrap();
+        bad.seconds = f64::NAN;
+        learner.observe(bad);
+        bad.seconds = f64::INFINITY;
+        learner.observe(bad);
+        assert_eq!(learner.measured(), before);
+        assert!(before.is_some_and(|s| s.tokens_per_second.is_finite()));
     }
 
     #[test]
@@ -548,12 +637,18 @@ mod tests {
         assert_eq!(queue.pending(now, 1000.0), 900.0);
         let later = now + Duration::from_millis(100);
         assert_eq!(queue.pending(later, 1000.0), 800.0);
-        // The replica stored the second pick's last block: it, and the first, are done,
-        // however slowly the estimate drained them.
+        // The replica stored the second pick's last block: it is done, however slowly the
+        // estimate drained it; the first drains on (its last block may still be coming).
         queue.confirm(&[7, 2], later, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0), 300.0);
+        assert_eq!(queue.pending(later, 1000.0), 500.0);
         // A key no queued pick ends in confirms nothing.
+        queue.confirm(&[9], later, 1000.0);
+        assert_eq!(queue.pending(later, 1000.0), 500.0);
         queue.confirm(&[1], later, 1000.0);
+        assert_eq!(queue.pending(later, 1000.0), 300.0);
+        // A lookup's clock older than the last change drains nothing twice.
+        assert_eq!(queue.pending(now, 1000.0), 300.0);
+        queue.add(0.0, None, now, 1000.0);
         assert_eq!(queue.pending(later, 1000.0), 300.0);
         assert_eq!(queue.pending(later + Duration::from_secs(1), 1000.0), 0.0);
         queue.add(50.0, Some(3), later + Duration::from_secs(1), 1000.0);
@@ -570,6 +665,6 @@ mod tests {
         assert_eq!(queue.items.len(), MAX_QUEUED_PICKS);
         assert_eq!(queue.pending(now, 1.0), MAX_QUEUED_PICKS as f64 + 10.0);
         queue.confirm(&[MAX_QUEUED_PICKS as u64 + 9], now, 1.0);
-        assert_eq!(queue.pending(now, 1.0), 0.0);
+        assert_eq!(queue.pending(now, 1.0), MAX_QUEUED_PICKS as f64 + 9.0);
     }
 }

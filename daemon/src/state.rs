@@ -305,6 +305,7 @@ impl Daemon {
         let history = History::new(settings.max_entries.min(10_000_000));
         let mut backlogs = Backlogs::default();
         let now = Instant::now();
+        // What a slot's replica is ranked at before anything is measured.
         let initial = crate::speed::speeds(&[(None, 0)], settings.speed_flags)
             .first()
             .copied()
@@ -383,6 +384,20 @@ impl Daemon {
                 .get_or_create(&label)
                 .set(view.overhead_ms / 1e3);
         }
+    }
+
+    /// Puts a freed slot back to the speed nothing measured.
+    pub fn forget_speed(&self, slot: Slot) {
+        let initial = crate::speed::speeds(&[(None, 0)], self.settings.speed_flags)
+            .first()
+            .copied()
+            .unwrap_or_default();
+        if let Some(entry) = self.speeds.write().get_mut(slot.index()) {
+            *entry = initial;
+        }
+        self.backlogs
+            .lock()
+            .set_speed(slot, initial.tokens_per_second, Instant::now());
     }
 
     /// Ready once every endpoint is synced or flagged incomplete.

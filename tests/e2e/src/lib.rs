@@ -76,6 +76,9 @@ pub struct StackConfig {
     pub block_size: usize,
     /// Extra flags for every replica (time scale, capacity...).
     pub replica_args: Vec<String>,
+    /// Flags for replica `i` alone, each `--flag value` replacing that flag's value in
+    /// `replica_args` (a slower replica in a mixed fleet).
+    pub per_replica_args: Vec<Vec<String>>,
     /// Fields merged into the filter configuration.
     pub filter: Value,
     /// Extra flags for kvaffined.
@@ -98,6 +101,7 @@ impl Default for StackConfig {
             replicas: 2,
             block_size: 16,
             replica_args: vec!["--time-scale".into(), "0".into()],
+            per_replica_args: Vec::new(),
             filter: json!({}),
             daemon_args: Vec::new(),
             gateway_env: Vec::new(),
@@ -251,6 +255,23 @@ pub fn poll(
     Ok(())
 }
 
+/// `args` with each `--flag value` pair of `overrides` replacing that flag's value, or
+/// added when `args` has no such flag.
+fn with_overrides(args: &[String], overrides: Option<&Vec<String>>) -> Vec<String> {
+    let mut out = args.to_vec();
+    for pair in overrides.map_or(&[][..], Vec::as_slice).chunks(2) {
+        let [flag, value] = pair else {
+            out.extend(pair.iter().cloned());
+            continue;
+        };
+        match out.iter().position(|a| a == flag) {
+            Some(i) if i + 1 < out.len() => out[i + 1] = value.clone(),
+            _ => out.extend([flag.clone(), value.clone()]),
+        }
+    }
+    out
+}
+
 /// Starts kvaffined for `upstreams`.
 fn spawn_daemon(
     config: &StackConfig,
@@ -288,10 +309,13 @@ impl Stack {
         }
         let dir = unique_dir()?;
         let block = config.block_size.to_string();
-        let mut replica_args: Vec<&str> = vec!["--block-size", &block];
-        replica_args.extend(config.replica_args.iter().map(String::as_str));
+        let mut shared: Vec<String> = vec!["--block-size".into(), block];
+        shared.extend(config.replica_args.iter().cloned());
         let replicas: Vec<EmuProcess> = (0..config.replicas)
-            .map(|_| EmuProcess::start(&replica_args))
+            .map(|i| {
+                let args = with_overrides(&shared, config.per_replica_args.get(i));
+                EmuProcess::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+            })
             .collect();
         let upstreams = replicas
             .iter()

@@ -245,7 +245,7 @@ pub fn workloads() -> Vec<Scenario> {
         .filter(|s| {
             matches!(
                 s.name,
-                "template-divergence" | "concurrency" | "hot-system-prompt"
+                "template-divergence" | "concurrency" | "hot-system-prompt" | "heterogeneous"
             )
         })
         .collect()

@@ -124,6 +124,52 @@ impl Run {
     }
 }
 
+/// One replica's share of a run.
+pub struct ReplicaFigures {
+    /// Its address.
+    pub replica: String,
+    /// Requests it answered.
+    pub requests: usize,
+    /// Its share of the prompt tokens the replicas were asked for, percent.
+    pub token_pct: f64,
+    /// TTFT median of its requests.
+    pub ttft_p50_ms: f64,
+    /// TTFT 99th percentile of its requests.
+    pub ttft_p99_ms: f64,
+}
+
+impl Run {
+    /// Each replica's requests, share of the work and TTFT (a mixed fleet's slow replica
+    /// should get less work, not worse latency).
+    pub fn per_replica(&self) -> Vec<ReplicaFigures> {
+        let total: u64 = self.replica_tokens.iter().sum();
+        self.replicas
+            .iter()
+            .zip(&self.replica_tokens)
+            .map(|(replica, &tokens)| {
+                let mut ttft: Vec<Duration> = self
+                    .turns
+                    .iter()
+                    .filter(|t| t.ok && &t.replica == replica)
+                    .map(|t| t.ttft)
+                    .collect();
+                ttft.sort();
+                let q = |p: f64| {
+                    ttft.get(((ttft.len().max(1) - 1) as f64 * p).round() as usize)
+                        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+                };
+                ReplicaFigures {
+                    replica: replica.clone(),
+                    requests: ttft.len(),
+                    token_pct: 100.0 * tokens as f64 / total.max(1) as f64,
+                    ttft_p50_ms: q(0.5),
+                    ttft_p99_ms: q(0.99),
+                }
+            })
+            .collect()
+    }
+}
+
 /// Exponential inter-arrival time with mean `mean`.
 fn exponential(rng: &mut XorShift64, mean: Duration) -> Duration {
     let u = ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
@@ -252,6 +298,9 @@ pub struct Scenario {
     pub replicas: usize,
     /// Extra flags for every emulated replica.
     pub replica_args: Vec<String>,
+    /// Flags for emulated replica `i` alone, replacing those the others run with (a mixed
+    /// fleet).
+    pub per_replica_args: Vec<Vec<String>>,
     /// KV cache capacity per replica in tokens, when the scenario limits it.
     pub kv_tokens: Option<usize>,
 }
@@ -382,6 +431,7 @@ pub fn run_through<T>(
                 replicas: scenario.replicas,
                 block_size: *block_size,
                 replica_args,
+                per_replica_args: scenario.per_replica_args.clone(),
                 filter,
                 daemons,
                 ..StackConfig::default()
@@ -484,6 +534,20 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
                 })
                 .collect();
             collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), 7).await)
+        }
+        "heterogeneous" => {
+            // The concurrency workload (other sessions) on a fleet whose first replica
+            // prefills and decodes at half the speed of the other three.
+            let sessions = (0..32)
+                .map(|i| {
+                    Session::new(
+                        SYSTEM,
+                        &text(1200, 900 + i),
+                        json!({"cache_salt": format!("h{i}"), "tools": tools(3)}),
+                    )
+                })
+                .collect();
+            collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), 29).await)
         }
         "cache-pressure" => {
             // Two replicas of 256 blocks x 16 tokens; twenty ~800-token sessions (about 1,000
@@ -595,13 +659,14 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
     })
 }
 
-/// The eight scenarios.
+/// The scenarios, the eight production ones and a mixed fleet.
 pub fn all() -> Vec<Scenario> {
     let plain = |name, about, replicas| Scenario {
         name,
         about,
         replicas,
         replica_args: Vec::new(),
+        per_replica_args: Vec::new(),
         kv_tokens: None,
     };
     vec![
@@ -620,6 +685,7 @@ pub fn all() -> Vec<Scenario> {
             about: "working set twice the fleet's KV capacity: evictions and BlockRemoved",
             replicas: 2,
             replica_args: Vec::new(),
+            per_replica_args: Vec::new(),
             // 256 blocks of 16 tokens.
             kv_tokens: Some(4096),
         },
@@ -648,5 +714,14 @@ pub fn all() -> Vec<Scenario> {
             "one 2.5k-token system prompt shared by every session, 4 replicas",
             4,
         ),
+        Scenario {
+            name: "heterogeneous",
+            about: "32 concurrent agent sessions on 4 replicas, one of them twice as slow",
+            replicas: 4,
+            replica_args: Vec::new(),
+            // Every replica runs at time scale 0.2 in these runs; this one at 0.4.
+            per_replica_args: vec![vec!["--time-scale".into(), "0.4".into()]],
+            kv_tokens: None,
+        },
     ]
 }

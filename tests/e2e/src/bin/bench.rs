@@ -954,6 +954,7 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
                 replica_args.extend(["--event-lag-ms".into(), lag.to_string()]);
                 let lagged = scenarios::Scenario {
                     replica_args,
+                    per_replica_args: scenario.per_replica_args.clone(),
                     ..scenario
                 };
                 for (profile, variant) in [
@@ -992,7 +993,8 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
             )?);
         }
     }
-    let (md, json_runs) = scenario_table(&runs)?;
+    let (mut md, json_runs) = scenario_table(&runs)?;
+    md.push_str(&per_replica_table(&runs, "heterogeneous")?);
     for scenario in scenarios::all() {
         let rows: Vec<(String, f64, f64)> = runs
             .iter()
@@ -1023,6 +1025,37 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
     println!("{md}");
     eprintln!("all scenarios in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// Each replica's share and TTFT in `scenario`'s runs (markdown; empty without such runs):
+/// the first replica is the one a mixed fleet runs slower.
+fn per_replica_table(
+    runs: &[kvaffine_e2e::scenarios::Run],
+    scenario: &str,
+) -> anyhow::Result<String> {
+    let mut md = String::new();
+    for run in runs.iter().filter(|r| r.scenario == scenario) {
+        if md.is_empty() {
+            writeln!(
+                md,
+                "\n{scenario}, per replica (the first is the slow one):\n\n| profile | replica | requests | prompt tokens | TTFT p50 | TTFT p99 |\n|---|---|---|---|---|---|"
+            )?;
+        }
+        for (i, r) in run.per_replica().iter().enumerate() {
+            writeln!(
+                md,
+                "| {} | {}{} | {} | {:.1}% | {:.0} ms | {:.0} ms |",
+                run.profile,
+                i + 1,
+                if i == 0 { " (slow)" } else { "" },
+                r.requests,
+                r.token_pct,
+                r.ttft_p50_ms,
+                r.ttft_p99_ms
+            )?;
+        }
+    }
+    Ok(md)
 }
 
 /// The scenarios' table (markdown) and their figures (JSON).
@@ -1072,7 +1105,8 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let chosen: Vec<scenarios::Scenario> = scenarios::all()
         .into_iter()
-        .filter(|s| !matches!(s.name, "event-lag" | "replica-restart"))
+        // A mixed fleet needs replicas of different speeds; these two are one model.
+        .filter(|s| !matches!(s.name, "event-lag" | "replica-restart" | "heterogeneous"))
         .map(|s| scenarios::Scenario { replicas: 2, ..s })
         .map(|s| if hybrid { scenarios::hybrid(s) } else { s })
         .collect();
@@ -1172,6 +1206,7 @@ fn peers_vllm(out: &str) -> anyhow::Result<()> {
     };
     let workloads = peers::workloads()
         .into_iter()
+        .filter(|workload| workload.per_replica_args.is_empty())
         .map(|workload| Scenario {
             replicas: 2,
             ..workload

@@ -311,8 +311,7 @@ fn up(args: &[String]) -> anyhow::Result<()> {
             .iter()
             .map(|u| Upstream::discovered(u))
             .collect();
-        // kvaffined's default prefill rate is a GPU's; replicas much faster or slower need
-        // theirs until kvaffined measures it.
+        // kvaffined measures each replica's prefill rate; the flag fixes it instead.
         let daemon_args = args
             .prefill_rate
             .iter()

@@ -656,9 +656,14 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
         ensure(prefill["measured_tokens_per_second"].is_number(), || {
             format!("{} has no measured speed: {prefill}", endpoint["endpoint"])
         })?;
-        ensure(prefill["source"] != "default", || {
+        // The tiny model prefills a cold 6.6k-token prompt in about 0.17 s here: far faster
+        // than the 5,000 tokens/s kvaffined assumed before it measured.
+        let measured = prefill["measured_tokens_per_second"]
+            .as_f64()
+            .unwrap_or(0.0);
+        ensure(measured > 5000.0, || {
             format!(
-                "{} is ranked at the default speed: {prefill}",
+                "{} measured at {measured:.0} tokens/s: {prefill}",
                 endpoint["endpoint"]
             )
         })?;

@@ -33,6 +33,11 @@ const MIN_COMPUTED_TOKENS: f64 = 2048.0;
 /// the plain ratio (the overhead folded into it, right for requests of that size).
 const MIN_CONDITION: f64 = 0.05;
 
+/// Requests that took less than this in prefill, on average, took no measurable time: the
+/// figures are the scheduler's noise (a forward pass of one token on a GPU takes longer),
+/// and a fit to them would rank such replicas at random. Such a replica is instant.
+const INSTANT_SECONDS_PER_REQUEST: f64 = 0.001;
+
 /// Speeds are kept within these bounds: an instant replica (the emulator at time scale
 /// 0 reports no prefill time) drains its queue at once, not at infinity.
 const MAX_TOKENS_PER_SECOND: f64 = 1e9;
@@ -91,7 +96,14 @@ impl Sums {
 
     /// Seconds per request and per computed token, or None without enough evidence.
     fn fit(&self) -> Option<(f64, f64)> {
-        if self.n < MIN_REQUESTS || self.k < MIN_COMPUTED_TOKENS {
+        if self.n < MIN_REQUESTS {
+            return None;
+        }
+        // Noise needs no token count to be told apart from work.
+        if self.t < INSTANT_SECONDS_PER_REQUEST * self.n {
+            return Some((0.0, 0.0));
+        }
+        if self.k < MIN_COMPUTED_TOKENS {
             return None;
         }
         let det = self.nn * self.kk - self.nk * self.nk;
@@ -521,7 +533,7 @@ mod tests {
         let mut learner = SpeedLearner::default();
         learner.observe(counters(0.0, 0.0, 0.0));
         assert_eq!(learner.measured(), None);
-        // One probe of a few tokens is no measure of a replica.
+        // Two probes of a few tokens are no measure of a replica that takes time.
         learner.observe(counters(1.0, 0.04, 10.0));
         learner.observe(counters(2.0, 0.08, 20.0));
         assert_eq!(learner.measured(), None);
@@ -548,6 +560,23 @@ mod tests {
         let speed = learner.measured().unwrap();
         assert_eq!(speed.tokens_per_second, MAX_TOKENS_PER_SECOND);
         assert!(speed.seconds(1e6).is_finite());
+        // Tens of microseconds of scheduling noise are no speed either: two such replicas
+        // rank alike however the noise fell.
+        let noisy = |jitter: f64| {
+            let mut learner = SpeedLearner::default();
+            let mut total = PrefillCounters::default();
+            learner.observe(total);
+            for (i, tokens) in [64.0, 3000.0, 128.0, 2000.0].into_iter().enumerate() {
+                total.requests += 1.0;
+                total.computed_tokens += tokens;
+                total.prompt_tokens += tokens;
+                total.seconds += 20e-6 + jitter * (i % 2) as f64;
+                learner.observe(total);
+            }
+            learner.measured().unwrap()
+        };
+        assert_eq!(noisy(10e-6), noisy(300e-6));
+        assert_eq!(noisy(10e-6).overhead_tokens, 0.0);
     }
 
     #[test]

@@ -536,6 +536,35 @@ impl Stack {
         })
     }
 
+    /// Sends two small completions straight to each emulated replica and waits until
+    /// kvaffined has measured every replica's prefill speed from its metrics: until then
+    /// it assumes a GPU's 5,000 tokens/s and 40 ms per request, and a test that counts on
+    /// instant replicas draining their queue at once must not run before.
+    pub fn wait_speeds_measured(&self) -> anyhow::Result<()> {
+        for replica in &self.replicas {
+            for i in 0..2 {
+                let body = json!({"prompt": format!("measure {i}"), "max_tokens": 1});
+                let reply = client::post_json(&replica.http, "/v1/completions", &body);
+                if reply.status != 200 {
+                    bail!("{}: {} {}", replica.http, reply.status, reply.body);
+                }
+            }
+        }
+        poll(
+            "every replica's speed measured",
+            Duration::from_secs(10),
+            || {
+                let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
+                serde_json::from_str::<Value>(&text).is_ok_and(|v| {
+                    v["endpoints"].as_array().is_some_and(|all| {
+                        all.iter()
+                            .all(|e| e["prefill"]["measured_tokens_per_second"].is_number())
+                    })
+                })
+            },
+        )
+    }
+
     /// Waits until kvaffined has recorded `count` outcomes from the filter (sent each
     /// second), and fails if it records more.
     pub fn wait_outcomes(&self, count: u64) -> anyhow::Result<()> {

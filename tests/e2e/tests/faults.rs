@@ -159,7 +159,18 @@ fn a_dead_tokenizer_replica_never_fails_a_request() {
 fn a_frozen_replicas_streamed_request_is_answered_by_the_next_ranked_one() {
     let stack = Stack::start(StackConfig {
         filter: json!({"stream_headers_timeout_ms": 300}),
-        daemon_args: vec!["--scrape-interval-ms".into(), "600000".into()],
+        // kvaffined scrapes once here (it must not notice the freeze), so it cannot
+        // measure how fast the replicas are: they are instant, and the flag says so (at
+        // the default 40 ms each, the warm replica's repeated fully cached requests
+        // below, which no event confirms, would queue it past the cold one).
+        daemon_args: vec![
+            "--scrape-interval-ms".into(),
+            "600000".into(),
+            "--prefill-tokens-per-second".into(),
+            "1e9".into(),
+            "--request-overhead-tokens".into(),
+            "0".into(),
+        ],
         ..StackConfig::default()
     })
     .unwrap();
@@ -221,6 +232,10 @@ fn a_frozen_replicas_streamed_request_is_answered_by_the_next_ranked_one() {
 #[test]
 fn a_replica_whose_engine_died_is_retried_around_then_ranked_last() {
     let stack = Stack::start(StackConfig::default()).unwrap();
+    // The same prompt sent until it is pinned warm stores no new block, so no event
+    // confirms it: it drains from the warm replica's queue at the speed kvaffined knows,
+    // measured instant here.
+    stack.wait_speeds_measured().unwrap();
     // Prompts of `blocks` 16-token blocks, each a continuation of the shorter ones of its
     // `family`.
     let prompt = |family: u32, blocks: u32| {

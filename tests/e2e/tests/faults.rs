@@ -319,7 +319,7 @@ fn tokenizer_callouts_avoid_a_frozen_replica() {
     let (frozen, live) = (&stack.replicas[1], &stack.replicas[0].http);
     let pid = frozen.pid().unwrap();
     send_signal(pid, "-STOP");
-    let checked = stack.check_tokenizing_avoids(&frozen.http, live, prompt);
+    let checked = stack.check_tokenizing_avoids(&frozen.http, live, prompt, true);
     send_signal(pid, "-CONT");
     checked.unwrap();
 }

@@ -1509,7 +1509,7 @@ fn precise_cost() -> anyhow::Result<()> {
     }
     let chat_tokens = count(&new_chat(0))?;
     frozen.freeze(true)?;
-    let checked = stack.check_tokenizing_avoids(&frozen.http, &live.http, new_chat);
+    let checked = stack.check_tokenizing_avoids(&frozen.http, &live.http, new_chat, true);
     frozen.freeze(false)?;
     let pairs = checked?;
     let quantiles = |mut v: Vec<f64>| {

@@ -284,6 +284,21 @@ fn faulted_sessions(
     async move { sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), arrivals).await }
 }
 
+/// 32 agent sessions with tool calls, four turns each, Poisson arrivals 60 ms apart: texts
+/// seeded from `first_seed`, salts tagged `tag`, arrivals seeded by `arrivals`.
+async fn agent_sessions(ctx: &Ctx, tag: &str, first_seed: u64, arrivals: u64) -> Vec<TurnResult> {
+    let sessions = (0..32)
+        .map(|i| {
+            Session::new(
+                SYSTEM,
+                &text(1200, first_seed + i),
+                json!({"cache_salt": format!("{tag}{i}"), "tools": tools(3)}),
+            )
+        })
+        .collect();
+    collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), arrivals).await)
+}
+
 fn collect(sessions: &[Session]) -> Vec<TurnResult> {
     sessions.iter().flat_map(|s| s.results.clone()).collect()
 }
@@ -523,32 +538,10 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
                 .collect();
             collect(&sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 3).await)
         }
-        "concurrency" => {
-            let sessions = (0..32)
-                .map(|i| {
-                    Session::new(
-                        SYSTEM,
-                        &text(1200, 100 + i),
-                        json!({"cache_salt": format!("c{i}"), "tools": tools(3)}),
-                    )
-                })
-                .collect();
-            collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), 7).await)
-        }
-        "heterogeneous" => {
-            // The concurrency workload (other sessions) on a fleet whose first replica
-            // prefills and decodes at half the speed of the other three.
-            let sessions = (0..32)
-                .map(|i| {
-                    Session::new(
-                        SYSTEM,
-                        &text(1200, 900 + i),
-                        json!({"cache_salt": format!("h{i}"), "tools": tools(3)}),
-                    )
-                })
-                .collect();
-            collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), 29).await)
-        }
+        "concurrency" => agent_sessions(ctx, "c", 100, 7).await,
+        // The same workload (other sessions) on a fleet whose first replica prefills and
+        // decodes at half the speed of the other three.
+        "heterogeneous" => agent_sessions(ctx, "h", 900, 29).await,
         "cache-pressure" => {
             // Two replicas of 256 blocks x 16 tokens; twenty ~800-token sessions (about 1,000
             // blocks: twice the fleet), visited with a skew (a few hot, many cold), so what

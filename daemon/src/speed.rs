@@ -22,8 +22,8 @@ use serde::Serialize;
 /// interval), so the estimate follows a replica whose load or model changes.
 const DECAY: f64 = 0.95;
 
-/// Evidence needed before a replica's own figures replace the fleet's: a decayed count
-/// of requests and of computed tokens. Below it one tiny request (a health probe, a
+/// Evidence needed before a replica's own figures replace the fleet's: requests and
+/// computed tokens seen in all. Below it one tiny request (a health probe, a
 /// "hi") would make a fast replica look slow.
 const MIN_REQUESTS: f64 = 2.0;
 const MIN_COMPUTED_TOKENS: f64 = 2048.0;
@@ -94,16 +94,17 @@ impl Sums {
         self.t += t;
     }
 
-    /// Seconds per request and per computed token, or None without enough evidence.
-    fn fit(&self) -> Option<(f64, f64)> {
-        if self.n < MIN_REQUESTS {
+    /// Seconds per request and per computed token, or None without enough evidence
+    /// (`requests` and `tokens` seen in all, not decayed).
+    fn fit(&self, requests: f64, tokens: f64) -> Option<(f64, f64)> {
+        if requests < MIN_REQUESTS || self.n <= 0.0 {
             return None;
         }
         // Noise needs no token count to be told apart from work.
         if self.t < INSTANT_SECONDS_PER_REQUEST * self.n {
             return Some((0.0, 0.0));
         }
-        if self.k < MIN_COMPUTED_TOKENS {
+        if tokens < MIN_COMPUTED_TOKENS {
             return None;
         }
         let det = self.nn * self.kk - self.nk * self.nk;
@@ -127,6 +128,10 @@ pub struct SpeedLearner {
     last: Option<PrefillCounters>,
     sums: Sums,
     samples: u64,
+    /// Requests and weighted tokens seen in all: the evidence, which decay must not wear
+    /// below its threshold.
+    requests: f64,
+    tokens: f64,
 }
 
 impl Default for SpeedLearner {
@@ -144,6 +149,8 @@ impl SpeedLearner {
             last: None,
             sums: Sums::default(),
             samples: 0,
+            requests: 0.0,
+            tokens: 0.0,
         }
     }
 
@@ -171,14 +178,16 @@ impl SpeedLearner {
         if n <= 0.0 || t < 0.0 || k < 0.0 {
             return;
         }
-        self.sums
-            .decay_and_add(n, k + self.cached_token_cost * cached, t);
+        let work = k + self.cached_token_cost * cached;
+        self.sums.decay_and_add(n, work, t);
         self.samples += 1;
+        self.requests += n;
+        self.tokens += work;
     }
 
     /// The replica's own speed, once there is enough evidence.
     pub fn measured(&self) -> Option<PrefillSpeed> {
-        let (per_request, per_token) = self.sums.fit()?;
+        let (per_request, per_token) = self.sums.fit(self.requests, self.tokens)?;
         if !(per_request.is_finite() && per_token.is_finite()) {
             return None;
         }
@@ -538,6 +547,15 @@ mod tests {
         learner.observe(counters(2.0, 0.08, 20.0));
         assert_eq!(learner.measured(), None);
         learner.observe(counters(3.0, 0.5, 4020.0));
+        assert!(learner.measured().is_some());
+    }
+
+    #[test]
+    fn two_requests_in_two_scrapes_are_evidence_enough() {
+        let mut learner = SpeedLearner::default();
+        learner.observe(counters(0.0, 0.0, 0.0));
+        learner.observe(counters(1.0, 0.02, 25.0));
+        learner.observe(counters(2.0, 0.5, 2125.0));
         assert!(learner.measured().is_some());
     }
 

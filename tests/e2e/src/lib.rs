@@ -536,14 +536,21 @@ impl Stack {
         })
     }
 
-    /// Sends two small completions straight to each emulated replica and waits until
-    /// kvaffined has measured every replica's prefill speed from its metrics: until then
-    /// it assumes a GPU's 5,000 tokens/s and 40 ms per request, and a test that counts on
-    /// instant replicas draining their queue at once must not run before.
+    /// Once kvaffined has scraped every replica, sends a short and a long completion (about
+    /// 25 and 2,100 tokens: enough evidence to tell a replica's fixed cost from its speed,
+    /// and within the smallest cache a scenario gives a replica) straight to each emulated
+    /// replica,
+    /// and waits until kvaffined has measured every replica's prefill speed from its
+    /// metrics: until then it assumes a GPU's 5,000 tokens/s and 40 ms per request. A test
+    /// that counts on instant replicas draining their queue at once, or a benchmark of a
+    /// fleet in steady state, must not start before.
     pub fn wait_speeds_measured(&self) -> anyhow::Result<()> {
+        // A scrape before the requests: the first one is kvaffined's baseline, and what
+        // finished before it is not measured.
+        self.wait_scraped()?;
         for replica in &self.replicas {
-            for i in 0..2 {
-                let body = json!({"prompt": format!("measure {i}"), "max_tokens": 1});
+            for words in [25, 2100] {
+                let body = json!({"prompt": crate::scenarios::text(words, 1), "max_tokens": 1});
                 let reply = client::post_json(&replica.http, "/v1/completions", &body);
                 if reply.status != 200 {
                     bail!("{}: {} {}", replica.http, reply.status, reply.body);

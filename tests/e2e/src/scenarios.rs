@@ -451,6 +451,9 @@ pub fn run_through<T>(
                 daemons,
                 ..StackConfig::default()
             })?;
+            // A fleet in steady state has long been measured; a run of a few seconds
+            // would otherwise be routed mostly at the speed assumed before measuring.
+            stack.wait_speeds_measured()?;
             (stack, Oracle::Emulator, None)
         }
         Engine::Vllm { replicas } => {

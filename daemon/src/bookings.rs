@@ -14,7 +14,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
 use foldhash::fast::RandomState;
-use kvaffine_core::{BlockKey, PrefillSpeed};
+use kvaffine_core::BlockKey;
 
 use crate::index::{MAX_SLOTS, Slot};
 use crate::speed::PrefillQueue;
@@ -69,16 +69,15 @@ pub struct Backlogs {
     tokens_per_second: [f64; MAX_SLOTS],
 }
 
-impl Default for Backlogs {
-    fn default() -> Self {
+impl Backlogs {
+    /// Empty queues, every replica prefilling at `tokens_per_second` until told otherwise.
+    pub fn new(tokens_per_second: f64) -> Self {
         Self {
             queues: vec![PrefillQueue::default(); MAX_SLOTS],
-            tokens_per_second: [PrefillSpeed::DEFAULT.tokens_per_second; MAX_SLOTS],
+            tokens_per_second: [tokens_per_second; MAX_SLOTS],
         }
     }
-}
 
-impl Backlogs {
     /// `slot`'s replica prefills at `tokens_per_second` from `now` on (what it queued
     /// drained at the old speed until then).
     pub fn set_speed(&mut self, slot: Slot, tokens_per_second: f64, now: Instant) {
@@ -102,8 +101,7 @@ impl Backlogs {
         }
     }
 
-    /// `slot` stored these keys: the picks they finish, and those queued before them, are
-    /// done.
+    /// `slot` stored these keys: the picks ending in one of them are done.
     pub fn confirm(&mut self, slot: Slot, stored: &[u64], now: Instant) {
         let n = slot.index();
         if let (Some(queue), Some(&rate)) = (self.queues.get_mut(n), self.tokens_per_second.get(n))
@@ -383,8 +381,7 @@ mod tests {
     fn backlogs_drain_at_each_slots_speed_and_on_its_events() {
         let (a, b) = (Slot::new(0).unwrap(), Slot::new(1).unwrap());
         let now = Instant::now();
-        let mut backlogs = Backlogs::default();
-        backlogs.set_speed(a, 1000.0, now);
+        let mut backlogs = Backlogs::new(1000.0);
         backlogs.set_speed(b, 2000.0, now);
         backlogs.add(a, 300, Some(11), now);
         backlogs.add(a, 300, Some(12), now);

@@ -23,7 +23,7 @@ pub struct Scrape {
     /// `vllm:prefix_cache_hits_total` (tokens), summed over engines.
     pub prefix_cache_hits: Option<f64>,
     /// Finished requests' prefill time, computed and prompt tokens, summed over engines;
-    /// None unless the first three series are there (vLLM 0.24 and later export them).
+    /// None unless the first three series are there (vLLM 0.24.0 and 0.32.0 export them).
     pub prefill: Option<PrefillCounters>,
 }
 

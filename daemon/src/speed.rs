@@ -343,6 +343,15 @@ pub fn speeds(measured: &[(Option<PrefillSpeed>, u64)], flags: SpeedFlags) -> Ve
         .collect()
 }
 
+/// How a replica is ranked before anything is measured anywhere: the default, or the
+/// operator's flags.
+pub fn unmeasured(flags: SpeedFlags) -> SpeedView {
+    speeds(&[(None, 0)], flags)
+        .first()
+        .copied()
+        .unwrap_or_default()
+}
+
 /// Prefill queued on one replica by picks, first in first out, as of `at`.
 #[derive(Clone, Debug, Default)]
 pub struct PrefillQueue {

@@ -303,16 +303,8 @@ impl Daemon {
     pub fn with_auth(settings: Settings, auth: Option<crate::auth::ApiTokens>) -> Self {
         let index = PrefixIndex::new(settings.max_entries);
         let history = History::new(settings.max_entries.min(10_000_000));
-        let mut backlogs = Backlogs::default();
-        let now = Instant::now();
-        // What a slot's replica is ranked at before anything is measured.
-        let initial = crate::speed::speeds(&[(None, 0)], settings.speed_flags)
-            .first()
-            .copied()
-            .unwrap_or_default();
-        for slot in (0..MAX_SLOTS).filter_map(Slot::new) {
-            backlogs.set_speed(slot, initial.tokens_per_second, now);
-        }
+        let initial = crate::speed::unmeasured(settings.speed_flags);
+        let backlogs = Backlogs::new(initial.tokens_per_second);
         let bookings = Bookings::new(settings.max_booked_keys);
         Self {
             settings,
@@ -388,10 +380,7 @@ impl Daemon {
 
     /// Puts a freed slot back to the speed nothing measured.
     pub fn forget_speed(&self, slot: Slot) {
-        let initial = crate::speed::speeds(&[(None, 0)], self.settings.speed_flags)
-            .first()
-            .copied()
-            .unwrap_or_default();
+        let initial = crate::speed::unmeasured(self.settings.speed_flags);
         if let Some(entry) = self.speeds.write().get_mut(slot.index()) {
             *entry = initial;
         }

@@ -526,12 +526,21 @@ impl Stack {
     /// Waits until kvaffined has scraped every replica once (its hit counters are followed
     /// from then on).
     pub fn wait_scraped(&self) -> anyhow::Result<()> {
-        poll("every replica scraped", Duration::from_secs(10), || {
+        self.wait_every_endpoint("every replica scraped", |e| !e["status"]["load"].is_null())
+    }
+
+    /// Waits until `holds` for every endpoint `/v1/endpoints` lists.
+    fn wait_every_endpoint(
+        &self,
+        what: &str,
+        holds: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<()> {
+        poll(what, Duration::from_secs(10), || {
             let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
             serde_json::from_str::<Value>(&text).is_ok_and(|v| {
                 v["endpoints"]
                     .as_array()
-                    .is_some_and(|all| all.iter().all(|e| !e["status"]["load"].is_null()))
+                    .is_some_and(|all| all.iter().all(&holds))
             })
         })
     }
@@ -557,19 +566,9 @@ impl Stack {
                 }
             }
         }
-        poll(
-            "every replica's speed measured",
-            Duration::from_secs(10),
-            || {
-                let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
-                serde_json::from_str::<Value>(&text).is_ok_and(|v| {
-                    v["endpoints"].as_array().is_some_and(|all| {
-                        all.iter()
-                            .all(|e| e["prefill"]["measured_tokens_per_second"].is_number())
-                    })
-                })
-            },
-        )
+        self.wait_every_endpoint("every replica's speed measured", |e| {
+            e["prefill"]["measured_tokens_per_second"].is_number()
+        })
     }
 
     /// Waits until kvaffined has recorded `count` outcomes from the filter (sent each

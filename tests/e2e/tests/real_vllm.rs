@@ -449,6 +449,11 @@ fn chat_pair(seed: usize, salt: &str, first: &Reply) -> Value {
         .to_owned();
     messages.push(json!({"role": "assistant", "content": reply}));
     messages.push(json!({"role": "user", "content": format!("continue {}", prose(seed + 1, 20))}));
+    chat_body(&messages, salt)
+}
+
+/// A chat request of `messages` under `salt`, four tokens out.
+fn chat_body(messages: &[Value], salt: &str) -> Value {
     json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 4, "cache_salt": salt})
 }
 
@@ -460,7 +465,7 @@ fn chat_first_messages(seed: usize) -> Vec<Value> {
 }
 
 fn chat_first(seed: usize, salt: &str) -> Value {
-    json!({"model": SERVED_MODEL, "messages": chat_first_messages(seed), "max_tokens": 4, "cache_salt": salt})
+    chat_body(&chat_first_messages(seed), salt)
 }
 
 /// Full blocks of a prompt, and how many of them vLLM can serve from cache (it always
@@ -621,7 +626,7 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
             json!({"role": "system", "content": "You are a careful agent."}),
             json!({"role": "user", "content": prose(5000 + i, 1100)}),
         ];
-        let first_body = json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 4, "cache_salt": salt});
+        let first_body = chat_body(&messages, &salt);
         let sent = Instant::now();
         let first = ok(
             post_json(&stack.gateway, "/v1/chat/completions", &first_body),
@@ -639,7 +644,7 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
             post_json(
                 &stack.gateway,
                 "/v1/chat/completions",
-                &json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 4, "cache_salt": salt}),
+                &chat_body(&messages, &salt),
             ),
             "turn 2",
         )?;
@@ -2172,7 +2177,7 @@ fn hybrid_predictions(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         post_json(
             &stack.gateway,
             "/v1/chat/completions",
-            &json!({"model": SERVED_MODEL, "messages": messages, "max_tokens": 4, "cache_salt": salt}),
+            &chat_body(&messages, &salt),
         ),
         "chat turn 3",
     )?;

@@ -215,48 +215,35 @@ impl Pick {
     }
 }
 
-/// Each model's latest tokenizer hint ([`LookupAnswer::tokenize_at`]) while it is fresh:
-/// the filter sends a tokenizer callout there before its own lookup says anything, so the
-/// hint comes from the answers to earlier requests. A stale hint (quiet traffic) is no
-/// hint: the gateway's balancer chooses.
-#[derive(Debug)]
+/// Each model's latest tokenizer hint ([`LookupAnswer::tokenize_at`]): the filter sends a
+/// tokenizer callout there before its own lookup says anything, so the hint comes from the
+/// answers to earlier requests. A hint stays until a newer answer names another replica or
+/// a callout to it fails: an old hint still names a replica that was usable, while without
+/// one the gateway's balancer may pick a frozen replica (slow traffic, a request every few
+/// seconds, would otherwise lose the hint between requests).
+#[derive(Debug, Default)]
 pub struct TokenizerHints {
-    /// (model, endpoint, when noted in ms), at most [`Self::MAX_MODELS`].
+    /// (model, endpoint, order noted), at most [`Self::MAX_MODELS`].
     hints: Vec<(Option<String>, String, u64)>,
-    max_age_ms: u64,
-}
-
-impl Default for TokenizerHints {
-    /// Hints used for two seconds: under traffic every lookup renews them, and two seconds
-    /// is four of kvaffined's default scrapes, within which it notices a frozen replica.
-    fn default() -> Self {
-        Self::new(2_000)
-    }
+    noted: u64,
 }
 
 impl TokenizerHints {
-    /// Models remembered; past it the oldest hint goes.
+    /// Models remembered; past it the least recently noted hint goes.
     pub const MAX_MODELS: usize = 64;
-
-    /// Hints used for `max_age_ms` after they are noted.
-    pub fn new(max_age_ms: u64) -> Self {
-        Self {
-            hints: Vec::new(),
-            max_age_ms,
-        }
-    }
 
     /// Notes an answer's hint for `model`. An answer without one (an older daemon, or no
     /// replica usable at that moment: a busy replica's scrape can time out) leaves the
-    /// model's last hint to expire: the replica it names was the least busy a moment ago,
-    /// while the gateway's own balancer may pick a frozen one.
-    pub fn note(&mut self, model: Option<&str>, answer: &LookupAnswer, now_ms: u64) {
+    /// model's last hint: the replica it names was the least busy a moment ago, while the
+    /// gateway's own balancer may pick a frozen one.
+    pub fn note(&mut self, model: Option<&str>, answer: &LookupAnswer) {
         let Some(endpoint) = answer.tokenize_at.as_deref().filter(|e| valid_endpoint(e)) else {
             return;
         };
+        self.noted += 1;
         if let Some(hint) = self.hints.iter_mut().find(|(m, ..)| m.as_deref() == model) {
             endpoint.clone_into(&mut hint.1);
-            hint.2 = now_ms;
+            hint.2 = self.noted;
             return;
         }
         if self.hints.len() >= Self::MAX_MODELS {
@@ -266,17 +253,22 @@ impl TokenizerHints {
             }
         }
         self.hints
-            .push((model.map(str::to_owned), endpoint.to_owned(), now_ms));
+            .push((model.map(str::to_owned), endpoint.to_owned(), self.noted));
     }
 
-    /// The endpoint to tokenize `model`'s next request at, if a fresh hint names one.
-    pub fn get(&self, model: Option<&str>, now_ms: u64) -> Option<&str> {
+    /// The endpoint to tokenize `model`'s next request at, if a hint names one.
+    pub fn get(&self, model: Option<&str>) -> Option<&str> {
         self.hints
             .iter()
-            .find(|(m, _, at)| {
-                m.as_deref() == model && now_ms.saturating_sub(*at) <= self.max_age_ms
-            })
+            .find(|(m, ..)| m.as_deref() == model)
             .map(|(_, endpoint, _)| endpoint.as_str())
+    }
+
+    /// A tokenizer callout to `endpoint` failed or timed out: `model`'s hint goes if it
+    /// still names that endpoint, and the gateway's balancer chooses until the next answer.
+    pub fn forget(&mut self, model: Option<&str>, endpoint: &str) {
+        self.hints
+            .retain(|(m, e, _)| !(m.as_deref() == model && e == endpoint));
     }
 }
 
@@ -458,35 +450,40 @@ mod tests {
     }
 
     #[test]
-    fn tokenizer_hints_are_per_model_checked_and_expire() {
+    fn tokenizer_hints_are_per_model_checked_and_kept_until_replaced_or_failed() {
         let hint = |at: &str| {
             answer(&format!(
                 r#"{{"candidates":[],"reason":"load","tokenize_at":"{at}"}}"#
             ))
         };
-        let mut hints = TokenizerHints::new(2_000);
-        hints.note(Some("a"), &hint("10.0.0.1:8000"), 1_000);
-        hints.note(None, &hint("10.0.0.2:8000"), 1_000);
-        hints.note(Some("b"), &hint("evil host:80"), 1_000);
-        assert_eq!(hints.get(Some("a"), 3_000), Some("10.0.0.1:8000"));
-        assert_eq!(hints.get(None, 1_500), Some("10.0.0.2:8000"));
-        assert_eq!(hints.get(Some("b"), 1_000), None);
-        assert_eq!(hints.get(Some("a"), 3_001), None);
-        hints.note(Some("a"), &hint("10.0.0.3:8000"), 4_000);
-        assert_eq!(hints.get(Some("a"), 4_000), Some("10.0.0.3:8000"));
-        // An answer without a hint leaves the last to expire.
-        hints.note(
-            Some("a"),
-            &answer(r#"{"candidates":[],"reason":"load"}"#),
-            4_100,
-        );
-        assert_eq!(hints.get(Some("a"), 6_000), Some("10.0.0.3:8000"));
-        assert_eq!(hints.get(Some("a"), 6_001), None);
-        for i in 0..=TokenizerHints::MAX_MODELS as u64 {
-            hints.note(Some(&format!("m{i}")), &hint("10.0.0.4:8000"), 5_000 + i);
+        let mut hints = TokenizerHints::default();
+        hints.note(Some("a"), &hint("10.0.0.1:8000"));
+        hints.note(None, &hint("10.0.0.2:8000"));
+        hints.note(Some("b"), &hint("evil host:80"));
+        assert_eq!(hints.get(Some("a")), Some("10.0.0.1:8000"));
+        assert_eq!(hints.get(None), Some("10.0.0.2:8000"));
+        assert_eq!(hints.get(Some("b")), None);
+        hints.note(Some("a"), &hint("10.0.0.3:8000"));
+        assert_eq!(hints.get(Some("a")), Some("10.0.0.3:8000"));
+        // An answer without a hint leaves the last one.
+        hints.note(Some("a"), &answer(r#"{"candidates":[],"reason":"load"}"#));
+        assert_eq!(hints.get(Some("a")), Some("10.0.0.3:8000"));
+        // A failure at another endpoint (an older hint's) leaves the newer hint.
+        hints.forget(Some("a"), "10.0.0.1:8000");
+        assert_eq!(hints.get(Some("a")), Some("10.0.0.3:8000"));
+        hints.forget(Some("a"), "10.0.0.3:8000");
+        assert_eq!(hints.get(Some("a")), None);
+        assert_eq!(hints.get(None), Some("10.0.0.2:8000"));
+        for i in 0..=TokenizerHints::MAX_MODELS {
+            hints.note(Some(&format!("m{i}")), &hint("10.0.0.4:8000"));
         }
         assert_eq!(hints.hints.len(), TokenizerHints::MAX_MODELS);
-        assert_eq!(hints.get(Some("m0"), 5_100), None);
+        // The least recently noted went: the model-less hint, then m0.
+        assert_eq!((hints.get(None), hints.get(Some("m0"))), (None, None));
+        hints.note(Some("m1"), &hint("10.0.0.5:8000"));
+        hints.note(Some("late"), &hint("10.0.0.4:8000"));
+        assert_eq!(hints.get(Some("m1")), Some("10.0.0.5:8000"));
+        assert_eq!(hints.get(Some("m2")), None);
     }
 
     #[test]

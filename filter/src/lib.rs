@@ -304,6 +304,8 @@ enum Phase {
         plan: Plan,
         body: Vec<u8>,
         since: SystemTime,
+        /// The replica the tokenizer hint pinned the callout to, forgotten if it fails.
+        hinted: Option<String>,
     },
     /// Waiting for the index (the lookup is kept to ask again in protocol 1).
     LookingUp {
@@ -384,13 +386,6 @@ fn log(level: LogLevel, message: &str) {
 
 fn now() -> SystemTime {
     hostcalls::get_current_time().unwrap_or(SystemTime::UNIX_EPOCH)
-}
-
-/// The host's clock in milliseconds since the epoch.
-fn now_ms() -> u64 {
-    now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64)
 }
 
 fn elapsed_us(since: SystemTime) -> u64 {
@@ -619,13 +614,14 @@ impl Request {
                 // On Envoy the tokenizer cluster's override_host policy reads the same
                 // header as the pool's; a cluster without it ignores the header and
                 // balances as before. Kong calls its configured target.
-                let hint =
-                    match gateway.host {
-                        Host::Envoy => self.tokenizer_hints.try_borrow().ok().and_then(|h| {
-                            h.get(self.model.as_deref(), now_ms()).map(str::to_owned)
-                        }),
-                        Host::Kong => None,
-                    };
+                let hint = match gateway.host {
+                    Host::Envoy => self
+                        .tokenizer_hints
+                        .try_borrow()
+                        .ok()
+                        .and_then(|h| h.get(self.model.as_deref()).map(str::to_owned)),
+                    Host::Kong => None,
+                };
                 let pin = hint
                     .as_deref()
                     .map(|endpoint| (gateway.endpoint_header.as_str(), endpoint));
@@ -645,6 +641,7 @@ impl Request {
                             plan,
                             body,
                             since: now(),
+                            hinted: hint,
                         };
                         true
                     }
@@ -686,9 +683,21 @@ impl Request {
         }
     }
 
-    fn on_tokenized(&mut self, api: Api, plan: Plan, body: Vec<u8>, since: SystemTime) -> bool {
+    fn on_tokenized(
+        &mut self,
+        api: Api,
+        plan: Plan,
+        body: Vec<u8>,
+        since: SystemTime,
+        hinted: Option<String>,
+    ) -> bool {
         self.stats.tokenize_latency(elapsed_us(since));
         let ok = call_status() == Some(200);
+        if let (false, Some(endpoint), Ok(mut hints)) =
+            (ok, hinted, self.tokenizer_hints.try_borrow_mut())
+        {
+            hints.forget(self.model.as_deref(), &endpoint);
+        }
         let prompt = call_body().filter(|_| ok).and_then(|answer| {
             // The VM is single-threaded; a busy cache (never expected) just means no reuse.
             let mut cache = self.digests.try_borrow_mut().ok();
@@ -730,7 +739,7 @@ impl Request {
             });
         if let (Some(Ok(answer)), Ok(mut hints)) = (&answer, self.tokenizer_hints.try_borrow_mut())
         {
-            hints.note(self.model.as_deref(), answer, now_ms());
+            hints.note(self.model.as_deref(), answer);
         }
         let fallbacks = self.router().config.fallbacks;
         let pick = answer.map(|a| a.and_then(|a| Pick::from_answer(&a, fallbacks)));
@@ -807,8 +816,9 @@ impl Context for Request {
                 plan,
                 body,
                 since,
+                hinted,
             } if token == token_id => {
-                if self.on_tokenized(api, plan, body, since) {
+                if self.on_tokenized(api, plan, body, since, hinted) {
                     return;
                 }
             }

@@ -605,9 +605,9 @@ impl Stack {
     /// tokenizer cluster would send half the callouts to `frozen`, each waiting out
     /// `timeout_ms`. With `siblings`, each client follows each request with a sibling of
     /// the same shape straight to `live` (a benchmark's baseline; on a slow replica the
-    /// clients then go quiet together for longer than the tokenizer hint lives, and the
-    /// workers' callouts fall back to the cluster's balancer); returns (through the
-    /// gateway, sibling) latencies per pair, the sibling's zero without siblings.
+    /// gateway then goes quiet for seconds, and the workers' hints must outlive that);
+    /// returns (through the gateway, sibling) latencies per pair, the sibling's zero
+    /// without siblings.
     pub fn check_tokenizing_avoids(
         &self,
         frozen: &str,

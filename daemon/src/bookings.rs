@@ -10,7 +10,7 @@
 //! store the pick's last block.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::time::Instant;
 
 use foldhash::fast::RandomState;
@@ -110,15 +110,22 @@ impl Backlogs {
         }
     }
 
-    /// Prefill still queued per slot at `now`, in uncached-token equivalents.
-    pub fn pending_tokens(&self, now: Instant) -> [u64; MAX_SLOTS] {
+    /// Prefill still queued per slot at `now`, in uncached-token equivalents, for a
+    /// request of block keys `own`. Picks whose last block is one of `own` are left out:
+    /// they prefill a prefix of this request, work it needs wherever it goes (queued
+    /// already on their replica, done again anywhere else), so they must not push it off
+    /// that replica. Counted, a turn 1 whose events had not arrived yet sent its
+    /// continuation to a cold replica whenever recomputing it looked a hair cheaper than
+    /// waiting for turn 1 plus reading its cache.
+    pub fn pending_tokens(&self, now: Instant, own: &[BlockKey]) -> [u64; MAX_SLOTS] {
+        let own: HashSet<u64> = own.iter().map(|k| k.0).collect();
         let mut out = [0u64; MAX_SLOTS];
         for ((out, queue), &rate) in out
             .iter_mut()
             .zip(&self.queues)
             .zip(&self.tokens_per_second)
         {
-            *out = queue.pending(now, rate) as u64;
+            *out = queue.pending(now, rate, |key| own.contains(&key)) as u64;
         }
         out
     }
@@ -387,17 +394,27 @@ mod tests {
         backlogs.add(a, 300, Some(12), now);
         backlogs.add(b, 600, Some(11), now);
         let later = now + Duration::from_millis(200);
-        assert_eq!(backlogs.pending_tokens(later)[..2], [400, 200]);
+        assert_eq!(backlogs.pending_tokens(later, &[])[..2], [400, 200]);
+        // A request whose prefix A's second pick prefills does not wait for that pick
+        // there; A's first pick (100 left) and B's are still in front of it.
+        assert_eq!(
+            backlogs.pending_tokens(later, &keys(&[10, 12]))[..2],
+            [100, 200]
+        );
+        assert_eq!(
+            backlogs.pending_tokens(later, &keys(&[11, 12]))[..2],
+            [0, 0]
+        );
         // A's first pick is stored: done, whatever the speed said. B stored nothing.
         backlogs.confirm(a, &[11], later);
-        assert_eq!(backlogs.pending_tokens(later)[..2], [300, 200]);
+        assert_eq!(backlogs.pending_tokens(later, &[])[..2], [300, 200]);
         // A speed learned later drains what is left at the new rate from then on.
         backlogs.set_speed(a, 100.0, later);
         assert_eq!(
-            backlogs.pending_tokens(later + Duration::from_secs(1))[..2],
+            backlogs.pending_tokens(later + Duration::from_secs(1), &[])[..2],
             [200, 0]
         );
         backlogs.forget_slot(a);
-        assert_eq!(backlogs.pending_tokens(later)[0], 0);
+        assert_eq!(backlogs.pending_tokens(later, &[])[0], 0);
     }
 }

@@ -436,12 +436,28 @@ impl PrefillQueue {
         }
     }
 
-    /// Tokens still queued at `now`.
-    pub fn pending(&self, now: std::time::Instant, tokens_per_second: f64) -> f64 {
-        let drained = self.at.map_or(0.0, |at| {
+    /// Tokens still queued at `now`, leaving out the picks whose last key `is_own`
+    /// accepts (a request's own prefix: see [`Backlogs::pending_tokens`]).
+    ///
+    /// [`Backlogs::pending_tokens`]: crate::bookings::Backlogs::pending_tokens
+    pub fn pending(
+        &self,
+        now: std::time::Instant,
+        tokens_per_second: f64,
+        is_own: impl Fn(u64) -> bool,
+    ) -> f64 {
+        let mut drained = self.at.map_or(0.0, |at| {
             now.saturating_duration_since(at).as_secs_f64() * tokens_per_second
         });
-        (self.total - drained).max(0.0)
+        let mut pending = 0.0;
+        for (key, work) in &self.items {
+            let left = (work - drained).max(0.0);
+            drained = (drained - work).max(0.0);
+            if !key.is_some_and(&is_own) {
+                pending += left;
+            }
+        }
+        pending
     }
 }
 
@@ -690,25 +706,31 @@ mod tests {
         queue.add(300.0, Some(1), now, 1000.0);
         queue.add(300.0, Some(2), now, 1000.0);
         queue.add(300.0, None, now, 1000.0);
-        assert_eq!(queue.pending(now, 1000.0), 900.0);
+        assert_eq!(queue.pending(now, 1000.0, |_| false), 900.0);
         let later = now + Duration::from_millis(100);
-        assert_eq!(queue.pending(later, 1000.0), 800.0);
+        assert_eq!(queue.pending(later, 1000.0, |_| false), 800.0);
         // The replica stored the second pick's last block: it is done, however slowly the
         // estimate drained it; the first drains on (its last block may still be coming).
         queue.confirm(&[7, 2], later, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0), 500.0);
+        assert_eq!(queue.pending(later, 1000.0, |_| false), 500.0);
         // A key no queued pick ends in confirms nothing.
         queue.confirm(&[9], later, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0), 500.0);
+        assert_eq!(queue.pending(later, 1000.0, |_| false), 500.0);
         queue.confirm(&[1], later, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0), 300.0);
+        assert_eq!(queue.pending(later, 1000.0, |_| false), 300.0);
         // A lookup's clock older than the last change drains nothing twice.
-        assert_eq!(queue.pending(now, 1000.0), 300.0);
+        assert_eq!(queue.pending(now, 1000.0, |_| false), 300.0);
         queue.add(0.0, None, now, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0), 300.0);
-        assert_eq!(queue.pending(later + Duration::from_secs(1), 1000.0), 0.0);
+        assert_eq!(queue.pending(later, 1000.0, |_| false), 300.0);
+        assert_eq!(
+            queue.pending(later + Duration::from_secs(1), 1000.0, |_| false),
+            0.0
+        );
         queue.add(50.0, Some(3), later + Duration::from_secs(1), 1000.0);
-        assert_eq!(queue.pending(later + Duration::from_secs(1), 1000.0), 50.0);
+        assert_eq!(
+            queue.pending(later + Duration::from_secs(1), 1000.0, |_| false),
+            50.0
+        );
     }
 
     #[test]
@@ -719,8 +741,14 @@ mod tests {
             queue.add(1.0, Some(key), now, 1.0);
         }
         assert_eq!(queue.items.len(), MAX_QUEUED_PICKS);
-        assert_eq!(queue.pending(now, 1.0), MAX_QUEUED_PICKS as f64 + 10.0);
+        assert_eq!(
+            queue.pending(now, 1.0, |_| false),
+            MAX_QUEUED_PICKS as f64 + 10.0
+        );
         queue.confirm(&[MAX_QUEUED_PICKS as u64 + 9], now, 1.0);
-        assert_eq!(queue.pending(now, 1.0), MAX_QUEUED_PICKS as f64 + 9.0);
+        assert_eq!(
+            queue.pending(now, 1.0, |_| false),
+            MAX_QUEUED_PICKS as f64 + 9.0
+        );
     }
 }

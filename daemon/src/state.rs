@@ -401,7 +401,11 @@ impl Daemon {
     /// under read locks.
     pub fn rank(&self, request: &LookupRequest, now: Instant) -> Ranking {
         let matches = self.matches(&request.query, now);
-        let pending = self.backlogs.lock().pending_tokens(now);
+        let own = match &request.query {
+            Query::Blocks(keys) => keys.as_slice(),
+            Query::Text(_) => &[],
+        };
+        let pending = self.backlogs.lock().pending_tokens(now, own);
         let replicas = self.replicas(&matches, &pending);
         let rankable: Vec<usize> = (0..replicas.len())
             .filter(|&i| {

@@ -51,4 +51,4 @@ pub use keys::{
 };
 pub use pick::{Candidate, Load, PickPolicy, PrefillSpeed};
 pub use reason::Reason;
-pub use salt::{CacheSalt, CacheSaltError, MAX_CACHE_SALT_CHARS};
+pub use salt::{CacheSalt, CacheSaltError, MAX_CACHE_SALT_CHARS, salt_tag};

@@ -180,6 +180,93 @@ pub fn read_answer(bytes: &[u8]) -> Result<LookupAnswer, LookupError> {
     serde_json::from_slice(bytes).map_err(|_| LookupError::Malformed)
 }
 
+/// Where salt probes go (a path of its own: daemons before it answer 404, and the filter
+/// then tokenizes as it always did).
+pub const SALT_PATH: &str = "/v2/salt";
+
+/// Asked before a salted request pays for a tokenizer call: the salt is keyed into block
+/// 0, so when no replica holds a first block of it (by its KV events) and none is booked
+/// for it, no cached prefix can match, and the request is routed by load at once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SaltProbe {
+    /// The salt's tag ([`crate::CacheSalt::tag`]).
+    pub salt: u64,
+    /// Only replicas serving this model (or not yet known to serve another) count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Book the pick for the salt when the request is routed here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub book: Option<Booking>,
+    /// How many ranked candidates to answer, at least 1.
+    #[serde(default = "one")]
+    pub candidates: usize,
+    /// The prompt's tokens as the filter estimates them from its size
+    /// ([`crate::tokens::TokensPerByte`]): what a pick queues on its replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+}
+
+impl SaltProbe {
+    /// The JSON body.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// The answer to a [`SaltProbe`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SaltAnswer {
+    /// The request routed without tokenizing, its reason saying why. Absent when some
+    /// replica may hold the salt (or the daemon cannot tell): the filter tokenizes and
+    /// looks up as usual.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<LookupAnswer>,
+    /// As [`LookupAnswer::tokenize_at`], for the tokenizer call that follows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenize_at: Option<String>,
+}
+
+/// Reads a [`SaltAnswer`].
+pub fn read_salt_answer(bytes: &[u8]) -> Result<SaltAnswer, LookupError> {
+    serde_json::from_slice(bytes).map_err(|_| LookupError::Malformed)
+}
+
+/// Salts whose requests the filter tokenizes without probing first: the daemon said a
+/// replica holds them, so their next requests (continuations, mostly) would be told the
+/// same. A bounded set, oldest out first; a salt that left every replica's cache since
+/// costs one tokenizer call that finds nothing.
+#[derive(Debug, Default)]
+pub struct HeldSalts {
+    order: std::collections::VecDeque<u64>,
+    /// Ordered, not hashed: a std hash set seeds itself from the host's randomness when
+    /// made, and the filter's root is made before its configuration checks that source.
+    tags: std::collections::BTreeSet<u64>,
+}
+
+impl HeldSalts {
+    /// Salts remembered; past it the oldest goes.
+    pub const MAX_SALTS: usize = 4096;
+
+    /// Notes that a replica holds `tag`.
+    pub fn insert(&mut self, tag: u64) {
+        if !self.tags.insert(tag) {
+            return;
+        }
+        self.order.push_back(tag);
+        if self.order.len() > Self::MAX_SALTS {
+            if let Some(oldest) = self.order.pop_front() {
+                self.tags.remove(&oldest);
+            }
+        }
+    }
+
+    /// Whether a replica was said to hold `tag`.
+    pub fn contains(&self, tag: u64) -> bool {
+        self.tags.contains(&tag)
+    }
+}
+
 /// A pick: the endpoints to try in order, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pick {
@@ -236,8 +323,8 @@ impl TokenizerHints {
     /// replica usable at that moment: a busy replica's scrape can time out) leaves the
     /// model's last hint: the replica it names was the least busy a moment ago, while the
     /// gateway's own balancer may pick a frozen one.
-    pub fn note(&mut self, model: Option<&str>, answer: &LookupAnswer) {
-        let Some(endpoint) = answer.tokenize_at.as_deref().filter(|e| valid_endpoint(e)) else {
+    pub fn note(&mut self, model: Option<&str>, tokenize_at: Option<&str>) {
+        let Some(endpoint) = tokenize_at.filter(|e| valid_endpoint(e)) else {
             return;
         };
         self.noted += 1;
@@ -451,22 +538,17 @@ mod tests {
 
     #[test]
     fn tokenizer_hints_are_per_model_checked_and_kept_until_replaced_or_failed() {
-        let hint = |at: &str| {
-            answer(&format!(
-                r#"{{"candidates":[],"reason":"load","tokenize_at":"{at}"}}"#
-            ))
-        };
         let mut hints = TokenizerHints::default();
-        hints.note(Some("a"), &hint("10.0.0.1:8000"));
-        hints.note(None, &hint("10.0.0.2:8000"));
-        hints.note(Some("b"), &hint("evil host:80"));
+        hints.note(Some("a"), Some("10.0.0.1:8000"));
+        hints.note(None, Some("10.0.0.2:8000"));
+        hints.note(Some("b"), Some("evil host:80"));
         assert_eq!(hints.get(Some("a")), Some("10.0.0.1:8000"));
         assert_eq!(hints.get(None), Some("10.0.0.2:8000"));
         assert_eq!(hints.get(Some("b")), None);
-        hints.note(Some("a"), &hint("10.0.0.3:8000"));
+        hints.note(Some("a"), Some("10.0.0.3:8000"));
         assert_eq!(hints.get(Some("a")), Some("10.0.0.3:8000"));
         // An answer without a hint leaves the last one.
-        hints.note(Some("a"), &answer(r#"{"candidates":[],"reason":"load"}"#));
+        hints.note(Some("a"), None);
         assert_eq!(hints.get(Some("a")), Some("10.0.0.3:8000"));
         // A failure at another endpoint (an older hint's) leaves the newer hint.
         hints.forget(Some("a"), "10.0.0.1:8000");
@@ -475,15 +557,57 @@ mod tests {
         assert_eq!(hints.get(Some("a")), None);
         assert_eq!(hints.get(None), Some("10.0.0.2:8000"));
         for i in 0..=TokenizerHints::MAX_MODELS {
-            hints.note(Some(&format!("m{i}")), &hint("10.0.0.4:8000"));
+            hints.note(Some(&format!("m{i}")), Some("10.0.0.4:8000"));
         }
         assert_eq!(hints.hints.len(), TokenizerHints::MAX_MODELS);
         // The least recently noted went: the model-less hint, then m0.
         assert_eq!((hints.get(None), hints.get(Some("m0"))), (None, None));
-        hints.note(Some("m1"), &hint("10.0.0.5:8000"));
-        hints.note(Some("late"), &hint("10.0.0.4:8000"));
+        hints.note(Some("m1"), Some("10.0.0.5:8000"));
+        hints.note(Some("late"), Some("10.0.0.4:8000"));
         assert_eq!(hints.get(Some("m1")), Some("10.0.0.5:8000"));
         assert_eq!(hints.get(Some("m2")), None);
+    }
+
+    #[test]
+    fn salt_probes_and_their_answers_read_back() {
+        let probe = SaltProbe {
+            salt: u64::MAX,
+            model: Some("m".into()),
+            book: Some(Booking::default()),
+            candidates: 2,
+            tokens: Some(1_500),
+        };
+        let json = probe.to_json();
+        assert_eq!(serde_json::from_slice::<SaltProbe>(&json).unwrap(), probe);
+        assert!(serde_json::from_slice::<SaltProbe>(br#"{"salt":1,"keys":[]}"#).is_err());
+        let held = read_salt_answer(br#"{"tokenize_at":"10.0.0.1:8000"}"#).unwrap();
+        assert_eq!(
+            (held.route, held.tokenize_at.as_deref()),
+            (None, Some("10.0.0.1:8000"))
+        );
+        let routed = read_salt_answer(
+            br#"{"route":{"candidates":[{"endpoint":"10.0.0.2:8000","matched_blocks":0}],
+            "reason":"new-salt","booked":"10.0.0.2:8000"},"later":1}"#,
+        )
+        .unwrap();
+        let pick = Pick::from_answer(&routed.route.unwrap(), 1).unwrap();
+        assert_eq!(
+            (pick.header_value(), pick.matched_blocks, pick.reason),
+            ("10.0.0.2:8000".to_owned(), 0, Reason::NewSalt)
+        );
+        assert_eq!(read_salt_answer(b"nope"), Err(LookupError::Malformed));
+    }
+
+    #[test]
+    fn held_salts_are_bounded_oldest_out() {
+        let mut held = HeldSalts::default();
+        for tag in 0..=HeldSalts::MAX_SALTS as u64 {
+            held.insert(tag);
+        }
+        held.insert(5);
+        assert!(!held.contains(0));
+        assert!(held.contains(1) && held.contains(HeldSalts::MAX_SALTS as u64));
+        assert_eq!(held.order.len(), HeldSalts::MAX_SALTS);
     }
 
     #[test]

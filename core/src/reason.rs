@@ -13,6 +13,12 @@ pub enum Reason {
     Load,
     /// Pinned: a replica with a longer prefix was saturated; affinity yielded to load.
     Saturated,
+    /// Pinned without tokenizing: no replica holds a block of the request's `cache_salt`
+    /// (nor is one booked for it), so no cached prefix can match; the least loaded.
+    NewSalt,
+    /// Pinned without tokenizing: the salt's first request was booked on this replica and
+    /// no replica's events show the salt yet; it follows that request.
+    SaltBooked,
     /// Pinned for a reason this filter does not know (a newer daemon's).
     Other,
     /// Unpinned: the index knows no replica that can take the request.
@@ -43,10 +49,12 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for tables that count each one.
-    pub const ALL: [Self; 16] = [
+    pub const ALL: [Self; 18] = [
         Self::Prefix,
         Self::Load,
         Self::Saturated,
+        Self::NewSalt,
+        Self::SaltBooked,
         Self::Other,
         Self::NoCandidates,
         Self::UnparsedBody,
@@ -68,6 +76,8 @@ impl Reason {
             Self::Prefix => "prefix",
             Self::Load => "load",
             Self::Saturated => "saturated",
+            Self::NewSalt => "new-salt",
+            Self::SaltBooked => "salt-booked",
             Self::Other => "other",
             Self::NoCandidates => "no-candidates",
             Self::UnparsedBody => "unparsed-body",
@@ -93,7 +103,12 @@ impl Reason {
     pub fn pinned(self) -> bool {
         matches!(
             self,
-            Self::Prefix | Self::Load | Self::Saturated | Self::Other
+            Self::Prefix
+                | Self::Load
+                | Self::Saturated
+                | Self::NewSalt
+                | Self::SaltBooked
+                | Self::Other
         )
     }
 }

@@ -51,6 +51,19 @@ impl CacheSalt {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The salt's tag: how the filter asks kvaffined whether any replica holds a block of
+    /// this salt without sending the salt itself (xxh3-64 of its UTF-8 bytes; kvaffined
+    /// tags the salts in its replicas' events alike). Two salts sharing a tag only cost a
+    /// tokenizer call.
+    pub fn tag(&self) -> u64 {
+        salt_tag(&self.0)
+    }
+}
+
+/// The tag of a salt as it appears in a KV event ([`CacheSalt::tag`]).
+pub fn salt_tag(salt: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(salt.as_bytes())
 }
 
 impl fmt::Display for CacheSalt {

@@ -133,6 +133,8 @@ pub struct PromptKeys {
     pub keys: Vec<BlockKey>,
     /// The most blocks a cache hit can cover.
     pub servable_blocks: u64,
+    /// The prompt's tokens.
+    pub tokens: u64,
 }
 
 impl PromptKeys {
@@ -157,7 +159,52 @@ impl PromptKeys {
         Self {
             keys: block_keys(router, extras, tokens, cache),
             servable_blocks: (tokens.len().saturating_sub(1) / block_size) as u64,
+            tokens: tokens.len() as u64,
         }
+    }
+}
+
+/// Prompt tokens per request-body byte, learned from the requests a VM tokenized: what a
+/// request that is not tokenized (a new salt) tells kvaffined of the prefill it brings.
+/// Load accounting only: keys always come from the tokenizer.
+#[derive(Clone, Copy, Debug)]
+pub struct TokensPerByte {
+    rate: f64,
+    learned: bool,
+}
+
+impl Default for TokensPerByte {
+    /// A quarter of a token per byte until a request is tokenized (English prose in a
+    /// BPE vocabulary runs about four bytes a token).
+    fn default() -> Self {
+        Self {
+            rate: 0.25,
+            learned: false,
+        }
+    }
+}
+
+impl TokensPerByte {
+    /// Weight of each new request in the running rate.
+    const WEIGHT: f64 = 0.1;
+
+    /// A request of `body_bytes` bytes was `tokens` tokens.
+    pub fn learn(&mut self, body_bytes: usize, tokens: u64) {
+        if body_bytes == 0 {
+            return;
+        }
+        let rate = tokens as f64 / body_bytes as f64;
+        self.rate = if self.learned {
+            self.rate + Self::WEIGHT * (rate - self.rate)
+        } else {
+            rate
+        };
+        self.learned = true;
+    }
+
+    /// The tokens a request of `body_bytes` bytes likely holds.
+    pub fn estimate(&self, body_bytes: usize) -> u64 {
+        (body_bytes as f64 * self.rate).round() as u64
     }
 }
 
@@ -174,6 +221,19 @@ pub fn keys_from_tokenize(
 
 #[cfg(test)]
 mod tests {
+    use super::TokensPerByte;
+
+    #[test]
+    fn tokens_per_byte_start_at_a_quarter_then_follow_what_was_tokenized() {
+        let mut rate = TokensPerByte::default();
+        assert_eq!(rate.estimate(4_000), 1_000);
+        rate.learn(0, 10);
+        rate.learn(1_000, 500);
+        assert_eq!(rate.estimate(4_000), 2_000);
+        rate.learn(1_000, 1_500);
+        assert_eq!(rate.estimate(1_000), 600);
+    }
+
     use super::*;
 
     fn router() -> Router {

@@ -138,6 +138,41 @@ impl Backlogs {
     }
 }
 
+/// Where each salt that no replica's events show yet was sent: its next requests follow
+/// until the booking expires (by then the replica's events show the salt, or it was never
+/// prefilled).
+#[derive(Default)]
+pub struct SaltBookings {
+    by_tag: HashMap<u64, (String, Instant), RandomState>,
+}
+
+impl SaltBookings {
+    /// Salts booked at once; past it expired bookings are swept, and a new one is
+    /// refused if none had expired.
+    pub const MAX_SALTS: usize = 65_536;
+
+    /// Books salt `tag` on `endpoint` until `until`; false if refused (full).
+    pub fn book(&mut self, tag: u64, endpoint: &str, until: Instant) -> bool {
+        if self.by_tag.len() >= Self::MAX_SALTS && !self.by_tag.contains_key(&tag) {
+            let now = Instant::now();
+            self.by_tag.retain(|_, (_, expiry)| *expiry > now);
+            if self.by_tag.len() >= Self::MAX_SALTS {
+                return false;
+            }
+        }
+        self.by_tag.insert(tag, (endpoint.to_owned(), until));
+        true
+    }
+
+    /// The endpoint salt `tag` is booked on at `now`, if any.
+    pub fn get(&self, tag: u64, now: Instant) -> Option<String> {
+        self.by_tag
+            .get(&tag)
+            .filter(|(_, until)| *until > now)
+            .map(|(endpoint, _)| endpoint.clone())
+    }
+}
+
 /// Live bookings, indexed by key for lookups, by last key for confirmation and by expiry,
 /// holding at most a bounded number of keys.
 #[derive(Default)]

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::json;
 
-use kvaffine_core::protocol::{self, LookupRequest, v1};
+use kvaffine_core::protocol::{self, LookupRequest, SaltProbe, v1};
 
 use crate::state::Daemon;
 
@@ -85,6 +85,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
     let api = Router::new()
         .route(protocol::LOOKUP_PATH, post(lookup))
         .route(v1::LOOKUP_PATH, post(lookup_v1))
+        .route(protocol::SALT_PATH, post(salt_probe))
         .route_layer(shed)
         .route("/v1/endpoints", get(endpoints))
         .route(
@@ -183,6 +184,23 @@ async fn lookup(
     Ok(answer(&daemon, started, &request, |ranking, booked| {
         ranking.answer(request.candidates, booked)
     }))
+}
+
+/// `POST /v2/salt`: whether a salted request can be routed without tokenizing.
+async fn salt_probe(
+    State(daemon): State<Arc<Daemon>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let body = body.map_err(|rejection| ApiError::Body(rejection.body_text()))?;
+    let probe: SaltProbe =
+        serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let answer = daemon.probe(&probe, Instant::now());
+    daemon
+        .metrics
+        .lookup_seconds
+        .observe(started.elapsed().as_secs_f64());
+    Ok(axum::Json(answer).into_response())
 }
 
 /// `POST /v1/lookup`: protocol 1, every endpoint's record (older filters, and people).

@@ -14,6 +14,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use foldhash::fast::RandomState;
 
+use crate::salts::SaltIndex;
+
 /// Endpoint slots per index: one bit each in a block's holder set.
 pub const MAX_SLOTS: usize = 64;
 
@@ -79,6 +81,9 @@ pub struct PrefixIndex {
     by_slot: [usize; MAX_SLOTS],
     /// The most one slot may hold: `max_entries` over the slots in use.
     share: usize,
+    /// The salts of the first blocks held, kept with the blocks: removals and purges
+    /// update both.
+    pub salts: SaltIndex,
 }
 
 impl PrefixIndex {
@@ -90,6 +95,7 @@ impl PrefixIndex {
             max_entries,
             by_slot: [0; MAX_SLOTS],
             share: max_entries,
+            salts: SaltIndex::default(),
         }
     }
 
@@ -143,6 +149,9 @@ impl PrefixIndex {
     /// Records that `slot` holds one copy fewer of each of `keys` in `medium`'s `group`;
     /// returns the pairs of which it held the last copy.
     pub fn remove(&mut self, slot: Slot, medium: &str, group: Group, keys: &[u64]) -> usize {
+        for &key in keys {
+            self.salts.removed(slot, key);
+        }
         let Some(table) = self.tiers.get_mut(medium).and_then(|g| g.get_mut(&group)) else {
             return 0;
         };
@@ -178,6 +187,7 @@ impl PrefixIndex {
     /// Forgets everything `slot` holds, in every tier (a restart, a cache reset, a removed
     /// endpoint); returns pairs removed.
     pub fn purge(&mut self, slot: Slot) -> usize {
+        self.salts.purge(slot);
         let mut removed = 0;
         for table in self.tiers.values_mut().flat_map(BTreeMap::values_mut) {
             table.extra_copies.retain(|(_, s), _| *s != slot.0);

@@ -91,6 +91,8 @@ pub struct Metrics {
     pub lookups: Family<ReasonLabel, Counter>,
     /// Lookups refused at `--max-inflight-lookups`.
     pub shed: Counter,
+    /// Salt probes answered with "tokenize": a replica holds, or may hold, the salt.
+    pub salt_probes_held: Counter,
     /// Picks not booked at `--max-booked-keys`.
     pub bookings_refused: Counter,
     /// Tokens the filter predicted cached, per replica (its reported outcomes).
@@ -137,6 +139,7 @@ impl Default for Metrics {
         let unauthorized = Counter::default();
         let lookups = Family::<ReasonLabel, Counter>::default();
         let shed = Counter::default();
+        let salt_probes_held = Counter::default();
         let bookings_refused = Counter::default();
         let outcome_predicted = Family::<EndpointLabel, Counter>::default();
         let outcome_cached = Family::<EndpointLabel, Counter>::default();
@@ -190,6 +193,11 @@ impl Default for Metrics {
             "bookings_refused",
             "Picks not booked because --max-booked-keys keys were booked",
             bookings_refused.clone(),
+        );
+        registry.register(
+            "salt_probes_held",
+            "Salt probes answered with tokenize: a replica holds, or may hold, a first block of the salt (probes routed at once count in lookups, reasons new-salt and salt-booked)",
+            salt_probes_held.clone(),
         );
         registry.register(
             "shed_lookups",
@@ -303,6 +311,7 @@ impl Default for Metrics {
             unauthorized,
             lookups,
             shed,
+            salt_probes_held,
             bookings_refused,
             outcome_predicted,
             outcome_cached,

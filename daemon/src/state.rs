@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use kvaffine_core::protocol::{self, LookupAnswer, LookupRequest, Query};
-use kvaffine_core::{Candidate, Load, PrefillSpeed, Reason};
+use kvaffine_core::protocol::{self, LookupAnswer, LookupRequest, Query, SaltAnswer, SaltProbe};
+use kvaffine_core::{BlockKey, Candidate, Load, PrefillSpeed, Reason};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
-use crate::bookings::{Backlogs, Bookings};
+use crate::bookings::{Backlogs, Bookings, SaltBookings};
 use crate::config::{EndpointSpec, Settings};
 use crate::history::History;
 use crate::hybrid::{Layout, Rule, hybrid_hit};
@@ -27,6 +27,8 @@ pub struct Daemon {
     pub index: RwLock<PrefixIndex>,
     /// Live bookings of precise lookups.
     pub bookings: RwLock<Bookings>,
+    /// Where salts no replica's events show yet were sent.
+    pub salt_bookings: Mutex<SaltBookings>,
     /// The prefill every pick queued on its replica.
     pub backlogs: Mutex<Backlogs>,
     /// Each slot's prefill speed, as [`refresh_speeds`](Self::refresh_speeds) last set it.
@@ -193,6 +195,24 @@ struct Replica {
     speed: PrefillSpeed,
 }
 
+impl Replica {
+    /// What the pick policy weighs of it.
+    fn candidate(&self) -> Candidate {
+        Candidate {
+            matched_blocks: self.record.matched_blocks as usize,
+            load: Load {
+                running: self.record.running,
+                waiting: self.record.waiting,
+                kv_cache_usage: self.record.kv_cache_usage,
+                pending_prefill_tokens: self.record.pending_prefill_tokens,
+            },
+            usable: self.record.reachable,
+            gone: !self.record.connected,
+            speed: self.speed,
+        }
+    }
+}
+
 /// How far each slot matches a request's keys.
 struct Matches {
     /// GPU tier, bookings included.
@@ -310,6 +330,7 @@ impl Daemon {
             settings,
             index: RwLock::new(index),
             bookings: RwLock::new(bookings),
+            salt_bookings: Mutex::default(),
             outcomes: Mutex::default(),
             backlogs: Mutex::new(backlogs),
             speeds: RwLock::new([initial; MAX_SLOTS]),
@@ -400,13 +421,34 @@ impl Daemon {
     /// Ranks the endpoints for a request, changing nothing: lookups run side by side
     /// under read locks.
     pub fn rank(&self, request: &LookupRequest, now: Instant) -> Ranking {
-        let matches = self.matches(&request.query, now);
         let own = match &request.query {
             Query::Blocks(keys) => keys.as_slice(),
             Query::Text(_) => &[],
         };
+        self.rank_sized(request, request.query.len(), None, own, now)
+    }
+
+    /// [`rank`](Self::rank) for a request of `request_blocks` blocks, whatever its query
+    /// holds (a salt probe has no keys, only an estimated size), ranking `presumed` as if
+    /// it held all of them (the replica a salt's first request was booked on, before its
+    /// events could say so), its backlog less the picks queued under one of `own` (see
+    /// [`Backlogs::pending_tokens`]).
+    fn rank_sized(
+        &self,
+        request: &LookupRequest,
+        request_blocks: usize,
+        presumed: Option<&str>,
+        own: &[BlockKey],
+        now: Instant,
+    ) -> Ranking {
+        let matches = self.matches(&request.query, now);
         let pending = self.backlogs.lock().pending_tokens(now, own);
-        let replicas = self.replicas(&matches, &pending);
+        let mut replicas = self.replicas(&matches, &pending);
+        if let Some(replica) = presumed
+            .and_then(|endpoint| replicas.iter_mut().find(|r| r.record.endpoint == endpoint))
+        {
+            replica.record.matched_blocks = u32::try_from(request_blocks).unwrap_or(u32::MAX);
+        }
         let rankable: Vec<usize> = (0..replicas.len())
             .filter(|&i| {
                 match (
@@ -421,26 +463,12 @@ impl Daemon {
         let candidates: Vec<Candidate> = rankable
             .iter()
             .filter_map(|&i| replicas.get(i))
-            .map(|replica| Candidate {
-                matched_blocks: replica.record.matched_blocks as usize,
-                load: Load {
-                    running: replica.record.running,
-                    waiting: replica.record.waiting,
-                    kv_cache_usage: replica.record.kv_cache_usage,
-                    pending_prefill_tokens: replica.record.pending_prefill_tokens,
-                },
-                usable: replica.record.reachable,
-                gone: !replica.record.connected,
-                speed: replica.speed,
-            })
+            .map(Replica::candidate)
             .collect();
         let turn = self
             .lookups
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (order, reason) = self
-            .settings
-            .policy
-            .rank(request.query.len(), &candidates, turn);
+        let (order, reason) = self.settings.policy.rank(request_blocks, &candidates, turn);
         let tokenize_at = self
             .settings
             .policy
@@ -671,6 +699,111 @@ impl Daemon {
         let booked = self.book(request, &ranking, now);
         self.metrics.count_lookup(ranking.reason);
         (ranking, booked)
+    }
+
+    /// Answers a salt probe. While a replica of the model holds, or may hold, a first
+    /// block of the salt, nothing is routed: the filter tokenizes and looks up. Otherwise
+    /// no cached prefix can match, and the request is routed and booked for the salt: by
+    /// load (`new-salt`), or, while the salt is booked on a replica whose events have not
+    /// shown it yet, ranked as if that replica held the whole request (a continuation of
+    /// the salt's first request would find it there), so it follows the booking
+    /// (`salt-booked`) until that replica's queue costs more than a cold prefill
+    /// elsewhere (`saturated`): a burst of one tenant's new sessions spreads out.
+    pub fn probe(&self, probe: &SaltProbe, now: Instant) -> SaltAnswer {
+        let request = LookupRequest {
+            query: Query::Blocks(Vec::new()),
+            model: probe.model.clone(),
+            book: probe.book,
+            candidates: probe.candidates.max(1),
+        };
+        let held = self.salt_may_be_held(probe.salt, probe.model.as_deref());
+        let booked = if held {
+            None
+        } else {
+            self.salt_bookings.lock().get(probe.salt, now)
+        };
+        let request_blocks = self.probe_blocks(probe);
+        // The salt's own picks are queued under its tag: a continuation of them would wait
+        // for them wherever it went.
+        let own = [BlockKey(probe.salt)];
+        let mut ranking = self.rank_sized(&request, request_blocks, booked.as_deref(), &own, now);
+        if held {
+            self.metrics.salt_probes_held.inc();
+            return SaltAnswer {
+                route: None,
+                tokenize_at: ranking.tokenize_at,
+            };
+        }
+        let first = ranking.order.first().and_then(|&i| ranking.replicas.get(i));
+        ranking.reason = match first {
+            Some(first) if booked.as_deref() == Some(first.record.endpoint.as_str()) => {
+                Reason::SaltBooked
+            }
+            Some(_) if ranking.reason == Reason::Saturated => Reason::Saturated,
+            Some(_) => Reason::NewSalt,
+            None => ranking.reason,
+        };
+        let booked = self.book_salt(probe, &ranking, now);
+        self.metrics.count_lookup(ranking.reason);
+        SaltAnswer {
+            route: Some(ranking.answer(request.candidates, booked)),
+            tokenize_at: None,
+        }
+    }
+
+    /// Whether a replica that serves `model` (or may) holds a first block of salt `tag`,
+    /// or its index cannot tell: not complete (no replay socket, or a gap), or not caught
+    /// up with its stream. Replicas that cannot be picked (unreachable, stream gone) do
+    /// not count.
+    fn salt_may_be_held(&self, tag: u64, model: Option<&str>) -> bool {
+        let holders = self.index.read().salts.holders(tag);
+        self.endpoints.read().iter().any(|endpoint| {
+            let status = endpoint.status.lock();
+            let serves = match (model, status.model.as_deref()) {
+                (Some(wanted), Some(served)) => wanted == served,
+                _ => true,
+            };
+            let pickable = status.scrape_error.is_none() && !status.events_disconnected;
+            serves
+                && pickable
+                && (holders & 1 << endpoint.slot.index() != 0
+                    || status.incomplete.is_some()
+                    || !status.synced)
+        })
+    }
+
+    /// Blocks in a probe's prompt, by the filter's estimate of its tokens.
+    fn probe_blocks(&self, probe: &SaltProbe) -> usize {
+        let tokens = usize::try_from(probe.tokens.unwrap_or(0)).unwrap_or(usize::MAX);
+        tokens / self.settings.keys.block_size().max(1)
+    }
+
+    /// Books a probe's pick for its salt, if asked: its prefill (all of its estimated
+    /// blocks: nothing of a new salt is cached) and the replica's fixed cost join the
+    /// replica's backlog, and the salt's next requests follow it until its events show
+    /// the salt or the booking expires.
+    fn book_salt(&self, probe: &SaltProbe, ranking: &Ranking, now: Instant) -> Option<String> {
+        let booking = probe.book?;
+        let replica = ranking.replicas.get(*ranking.order.first()?)?;
+        let work = self
+            .settings
+            .policy
+            .prefill_work(self.probe_blocks(probe), 0)
+            + replica.speed.overhead_tokens;
+        self.backlogs
+            .lock()
+            .add(replica.best_slot, work as u64, Some(probe.salt), now);
+        let ttl = booking
+            .ttl_ms
+            .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
+        if !self
+            .salt_bookings
+            .lock()
+            .book(probe.salt, &replica.record.endpoint, now + ttl)
+        {
+            self.metrics.bookings_refused.inc();
+        }
+        Some(replica.record.endpoint.clone())
     }
 }
 

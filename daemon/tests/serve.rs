@@ -883,3 +883,70 @@ fn random_lookup_bodies_get_answers_or_json_errors_never_a_crash() {
         "still serving"
     );
 }
+
+/// A salt probe answers from the replicas' events: "tokenize" while a replica holds a
+/// first block of the salt (sent to it straight, around any gateway), else routed by load
+/// (`new-salt`) and booked, the salt's next probes following that booking (`salt-booked`:
+/// the salt's own queued picks do not count against it); once the replica evicts the
+/// salt's blocks (a cleared cache) it is new again.
+#[test]
+fn salt_probes_answer_from_first_blocks_and_bookings() {
+    let (a, b) = (
+        EmuProcess::start(&["--block-size", "16"]),
+        EmuProcess::start(&["--block-size", "16"]),
+    );
+    let daemon = DaemonProcess::start(&["--discover", &a.http, "--discover", &b.http]);
+    daemon.wait_ready();
+    wait_for("both scraped", || {
+        [&a.http, &b.http]
+            .iter()
+            .all(|e| daemon.endpoint_status(e)["load"].is_object())
+    });
+    let probe = |salt: &str, book: bool| {
+        let mut body =
+            json!({"salt": kvaffine_core::salt_tag(salt), "candidates": 2, "tokens": 2_000});
+        if book {
+            body["book"] = json!({"ttl_ms": 60_000});
+        }
+        let (status, answer) = daemon.json("POST", "/v2/salt", &body.to_string());
+        assert_eq!(status, 200, "{answer}");
+        answer
+    };
+    let messages = json!([{"role": "user", "content": "salted ".repeat(80)}]);
+    let (status, _) = a.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2, "cache_salt": "held"}),
+    );
+    assert_eq!(status, 200);
+    wait_for("the salt in A's events", || {
+        probe("held", false).get("route").is_none()
+    });
+    let held = probe("held", true);
+    assert!(held["tokenize_at"].is_string(), "{held}");
+    assert!(daemon.metric("kvaffined_salt_probes_held_total") >= 2.0);
+
+    let first = probe("new", true);
+    let route = &first["route"];
+    assert_eq!(route["reason"], "new-salt", "{first}");
+    assert_eq!(route["candidates"][0]["matched_blocks"], 0);
+    assert_eq!(route["candidates"].as_array().map(Vec::len), Some(2));
+    let booked = route["booked"].as_str().unwrap().to_owned();
+    assert_eq!(route["candidates"][0]["endpoint"], booked.as_str());
+    for _ in 0..3 {
+        let next = probe("new", true);
+        assert_eq!(next["route"]["reason"], "salt-booked", "{next}");
+        assert_eq!(next["route"]["candidates"][0]["endpoint"], booked.as_str());
+    }
+    // Unbooked probes of a salt nobody holds or booked are routed, not booked.
+    let unbooked = probe("never", false);
+    assert_eq!(unbooked["route"]["reason"], "new-salt");
+    assert!(unbooked["route"]["booked"].is_null(), "{unbooked}");
+    assert_eq!(probe("never", false)["route"]["reason"], "new-salt");
+
+    // A's cache cleared: its salt is new again.
+    let (status, _) = a.post("/reset_prefix_cache", &json!({}));
+    assert_eq!(status, 200);
+    wait_for("the salt gone with A's blocks", || {
+        probe("held", false)["route"]["reason"] == "new-salt"
+    });
+}

@@ -89,6 +89,13 @@ pub struct GatewayConfig {
     /// each second (`POST /v1/outcomes`) for its metrics and console. Off by default.
     #[serde(default)]
     pub report_outcomes: bool,
+    /// Before tokenizing a request with a `cache_salt`, ask the index whether any replica
+    /// holds a first block of that salt (`POST /v2/salt`): when none does, no cached
+    /// prefix can match, and the request is pinned by load with no tokenizer call. Off by
+    /// default: on the emulator's scenarios it cost template divergence (one tenant salt,
+    /// sessions starting together) 4 points of hit rate (`docs/daemon.md`).
+    #[serde(default)]
+    pub salt_probes: bool,
 }
 
 impl GatewayConfig {

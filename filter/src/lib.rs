@@ -29,7 +29,11 @@ use kvaffine_core::api::Api;
 use kvaffine_core::config::{Mode, Router};
 use kvaffine_core::outcome::{self, Outcome, Outcomes, StreamUsage};
 use kvaffine_core::plan::{self, Action as Step, Plan};
-use kvaffine_core::protocol::{self, Booking, LookupRequest, Pick, Query, TokenizerHints, v1};
+use kvaffine_core::protocol::{
+    self, Booking, HeldSalts, LookupAnswer, LookupError, LookupRequest, Pick, Query, SaltProbe,
+    TokenizerHints, v1,
+};
+use kvaffine_core::tokens::TokensPerByte;
 use kvaffine_core::{DigestCache, Reason, tokens};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -85,6 +89,16 @@ type OutcomeQueue = Rc<RefCell<VecDeque<Outcome>>>;
 /// Where this VM's next tokenizer callouts go, from the index's latest answers.
 type SharedHints = Rc<RefCell<TokenizerHints>>;
 
+/// Salts this VM tokenizes without probing first, and until when the index is known not
+/// to take salt probes (a daemon before them).
+#[derive(Default)]
+struct SaltMemory {
+    held: HeldSalts,
+    probes_refused_until: Option<SystemTime>,
+    /// What the requests tokenized so far say a request's size is in tokens.
+    tokens_per_byte: TokensPerByte,
+}
+
 #[derive(Default)]
 struct Root {
     config: Option<Rc<FilterConfig>>,
@@ -94,6 +108,7 @@ struct Root {
     protocol_1_until: Rc<Cell<Option<SystemTime>>>,
     outcomes: OutcomeQueue,
     tokenizer_hints: SharedHints,
+    salts: Rc<RefCell<SaltMemory>>,
     /// The `POST /v1/outcomes` in flight: its token, how many outcomes it carries, and
     /// when it was sent (a host that never answers does not stop the batches for good).
     posting: Option<(u32, usize, SystemTime)>,
@@ -283,6 +298,7 @@ impl RootContext for Root {
             api: None,
             outcomes: self.outcomes.clone(),
             tokenizer_hints: self.tokenizer_hints.clone(),
+            salts: self.salts.clone(),
             watch: None,
         }))
     }
@@ -306,6 +322,16 @@ enum Phase {
         since: SystemTime,
         /// The replica the tokenizer hint pinned the callout to, forgotten if it fails.
         hinted: Option<String>,
+    },
+    /// Waiting for the index to say whether a salted request needs its tokens (the body
+    /// and plan are kept to tokenize when it does).
+    Probing {
+        token: u32,
+        api: Api,
+        plan: Plan,
+        body: Vec<u8>,
+        since: SystemTime,
+        salt: u64,
     },
     /// Waiting for the index (the lookup is kept to ask again in protocol 1).
     LookingUp {
@@ -364,6 +390,7 @@ struct Request {
     api: Option<Api>,
     outcomes: OutcomeQueue,
     tokenizer_hints: SharedHints,
+    salts: Rc<RefCell<SaltMemory>>,
     watch: Option<Watch>,
 }
 
@@ -609,45 +636,167 @@ impl Request {
             Step::LoadOnly => self.lookup(Query::Blocks(Vec::new())),
             Step::Lookup(prompt) => self.lookup(Query::Blocks(prompt.into_servable())),
             Step::Approximate(keys) => self.lookup(Query::Text(keys)),
-            Step::Tokenize { path, body: call } => {
-                let gateway = self.gateway();
-                // On Envoy the tokenizer cluster's override_host policy reads the same
-                // header as the pool's; a cluster without it ignores the header and
-                // balances as before. Kong calls its configured target.
-                let hint = match gateway.host {
-                    Host::Envoy => self
-                        .tokenizer_hints
-                        .try_borrow()
-                        .ok()
-                        .and_then(|h| h.get(self.model.as_deref()).map(str::to_owned)),
-                    Host::Kong => None,
+            Step::Tokenize { .. } => match self.salt_to_probe(&plan) {
+                Some(salt) => self.probe(api, plan, body, salt),
+                None => self.tokenize(api, plan, body),
+            },
+        }
+    }
+
+    /// The tag of the request's salt, when the index should be asked about it before
+    /// tokenizing (`salt_probes` on): not for a salt it said a replica holds, nor a daemon
+    /// that does not know salt probes (or speaks protocol 1).
+    fn salt_to_probe(&self, plan: &Plan) -> Option<u64> {
+        if !self.gateway().salt_probes {
+            return None;
+        }
+        let salt = plan.extras.cache_salt.as_ref()?.tag();
+        let protocol_1 = self
+            .protocol_1_until
+            .get()
+            .is_some_and(|until| now() < until);
+        let salts = self.salts.try_borrow().ok()?;
+        let refused = salts
+            .probes_refused_until
+            .is_some_and(|until| now() < until);
+        (!protocol_1 && !refused && !salts.held.contains(salt)).then_some(salt)
+    }
+
+    /// Asks the index whether a replica holds `salt`; true if the request stays paused.
+    fn probe(&mut self, api: Api, plan: Plan, body: Vec<u8>, salt: u64) -> bool {
+        let routing = &self.router().config;
+        let tokens = self
+            .salts
+            .try_borrow()
+            .ok()
+            .map(|salts| salts.tokens_per_byte.estimate(body.len()));
+        let probe = SaltProbe {
+            salt,
+            model: self.model.clone(),
+            book: routing.book.then(Booking::default),
+            candidates: 1 + routing.fallbacks,
+            tokens,
+        };
+        let gateway = self.gateway();
+        match callout(
+            gateway,
+            &gateway.index_cluster,
+            gateway.index_authority(),
+            protocol::SALT_PATH,
+            &probe.to_json(),
+            self.config.index_token.as_deref(),
+            None,
+        ) {
+            Some(token) => {
+                self.phase = Phase::Probing {
+                    token,
+                    api,
+                    plan,
+                    body,
+                    since: now(),
+                    salt,
                 };
-                let pin = hint
-                    .as_deref()
-                    .map(|endpoint| (gateway.endpoint_header.as_str(), endpoint));
-                match callout(
-                    gateway,
-                    &gateway.tokenizer_cluster,
-                    gateway.tokenizer_authority(),
-                    path,
-                    &call,
-                    None,
-                    pin,
-                ) {
-                    Some(token) => {
-                        self.phase = Phase::Tokenizing {
-                            token,
-                            api,
-                            plan,
-                            body,
-                            since: now(),
-                            hinted: hint,
-                        };
-                        true
-                    }
-                    None => self.approximate_fallback(api, &plan, &body),
-                }
+                true
             }
+            None => self.tokenize(api, plan, body),
+        }
+    }
+
+    /// The index's answer to a salt probe: pinned at once, or tokenized as without the
+    /// probe (also when the probe failed); true if the request stays paused.
+    fn on_probed(
+        &mut self,
+        api: Api,
+        plan: Plan,
+        body: Vec<u8>,
+        since: SystemTime,
+        salt: u64,
+    ) -> bool {
+        self.stats.salt_probe_latency(elapsed_us(since));
+        let status = call_status();
+        if status == Some(404) {
+            if let Ok(mut salts) = self.salts.try_borrow_mut() {
+                if salts.probes_refused_until.is_none() {
+                    log(
+                        LogLevel::Info,
+                        "kvaffine: the index does not know /v2/salt; salted requests are tokenized first",
+                    );
+                }
+                salts.probes_refused_until = Some(now() + PROTOCOL_1_RECHECK);
+            }
+            return self.tokenize(api, plan, body);
+        }
+        let answer = call_body()
+            .filter(|_| status == Some(200))
+            .and_then(|answer| protocol::read_salt_answer(&answer).ok());
+        let Some(answer) = answer else {
+            return self.tokenize(api, plan, body);
+        };
+        match answer.route {
+            Some(route) => {
+                self.note_hint(route.tokenize_at.as_deref());
+                self.pin_answer(Some(Ok(route)));
+                false
+            }
+            None => {
+                self.note_hint(answer.tokenize_at.as_deref());
+                if let Ok(mut salts) = self.salts.try_borrow_mut() {
+                    salts.held.insert(salt);
+                }
+                self.tokenize(api, plan, body)
+            }
+        }
+    }
+
+    /// Notes the index's tokenizer hint for this request's model.
+    fn note_hint(&self, tokenize_at: Option<&str>) {
+        if let Ok(mut hints) = self.tokenizer_hints.try_borrow_mut() {
+            hints.note(self.model.as_deref(), tokenize_at);
+        }
+    }
+
+    /// Sends the plan's tokenizer callout; true if the request stays paused.
+    fn tokenize(&mut self, api: Api, plan: Plan, body: Vec<u8>) -> bool {
+        let gateway = self.gateway();
+        // On Envoy the tokenizer cluster's override_host policy reads the same header as
+        // the pool's; a cluster without it ignores the header and balances as before.
+        // Kong calls its configured target.
+        let hint = match gateway.host {
+            Host::Envoy => self
+                .tokenizer_hints
+                .try_borrow()
+                .ok()
+                .and_then(|h| h.get(self.model.as_deref()).map(str::to_owned)),
+            Host::Kong => None,
+        };
+        let pin = hint
+            .as_deref()
+            .map(|endpoint| (gateway.endpoint_header.as_str(), endpoint));
+        let token = match &plan.action {
+            Step::Tokenize { path, body: call } => callout(
+                gateway,
+                &gateway.tokenizer_cluster,
+                gateway.tokenizer_authority(),
+                path,
+                call,
+                None,
+                pin,
+            ),
+            _ => None,
+        };
+        match token {
+            Some(token) => {
+                self.phase = Phase::Tokenizing {
+                    token,
+                    api,
+                    plan,
+                    body,
+                    since: now(),
+                    hinted: hint,
+                };
+                true
+            }
+            None => self.approximate_fallback(api, &plan, &body),
         }
     }
 
@@ -705,7 +854,12 @@ impl Request {
                 .ok()
         });
         match prompt {
-            Some(prompt) => self.lookup(Query::Blocks(prompt.into_servable())),
+            Some(prompt) => {
+                if let Ok(mut salts) = self.salts.try_borrow_mut() {
+                    salts.tokens_per_byte.learn(body.len(), prompt.tokens);
+                }
+                self.lookup(Query::Blocks(prompt.into_servable()))
+            }
             None => self.approximate_fallback(api, &plan, &body),
         }
     }
@@ -737,15 +891,20 @@ impl Request {
                 Protocol::V2 => protocol::read_answer(&body),
                 Protocol::V1 => v1::read_answer(&body),
             });
-        if let (Some(Ok(answer)), Ok(mut hints)) = (&answer, self.tokenizer_hints.try_borrow_mut())
-        {
-            hints.note(self.model.as_deref(), answer);
+        if let Some(Ok(answer)) = &answer {
+            self.note_hint(answer.tokenize_at.as_deref());
         }
+        self.pin_answer(answer);
+        false
+    }
+
+    /// Pins the index's answer (None: it did not answer usefully).
+    fn pin_answer(&mut self, answer: Option<Result<LookupAnswer, LookupError>>) {
         let fallbacks = self.router().config.fallbacks;
         let pick = answer.map(|a| a.and_then(|a| Pick::from_answer(&a, fallbacks)));
         match pick {
             // The index answered, but no replica can take the request.
-            Some(Err(protocol::LookupError::Empty)) => self.unpinned(Reason::NoCandidates),
+            Some(Err(LookupError::Empty)) => self.unpinned(Reason::NoCandidates),
             Some(Ok(pick)) if self.pin(&pick) => {
                 self.stats.count(pick.reason);
                 self.outcome = Some(Decision {
@@ -758,7 +917,6 @@ impl Request {
             }
             _ => self.unpinned(Reason::IndexUnavailable),
         }
-        false
     }
 }
 
@@ -819,6 +977,18 @@ impl Context for Request {
                 hinted,
             } if token == token_id => {
                 if self.on_tokenized(api, plan, body, since, hinted) {
+                    return;
+                }
+            }
+            Phase::Probing {
+                token,
+                api,
+                plan,
+                body,
+                since,
+                salt,
+            } if token == token_id => {
+                if self.on_probed(api, plan, body, since, salt) {
                     return;
                 }
             }

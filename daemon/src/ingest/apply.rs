@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use foldhash::fast::RandomState;
 use kvaffine_core::events::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKey, KvEvent};
-use kvaffine_core::{CacheSalt, Digest, KeyConfig, KeyExtras, LoraAdapter};
+use kvaffine_core::{CacheSalt, Digest, KeyConfig, KeyExtras, LoraAdapter, salt_tag};
 
 use crate::hybrid::{Layout, group_of};
 use crate::index::{PrefixIndex, Slot};
@@ -251,6 +251,9 @@ impl Applier {
         let published: Vec<u64> = event.block_hashes.iter().map(|h| h.block_key().0).collect();
         if self.alignment != Alignment::Rekeyed {
             let outcome = index.store(self.slot, medium, group, &published);
+            if let (None, Some(&root)) = (&event.parent_block_hash, published.first()) {
+                index.salts.stored(self.slot, root, salt_tags(event));
+            }
             report.stored += outcome.added;
             report.dropped += outcome.dropped;
             report.stored_keys.extend_from_slice(&published);
@@ -278,6 +281,15 @@ impl Applier {
             self.rekey.entry(*engine).or_insert((*digest, 0)).1 += 1;
         }
         let outcome = index.store(self.slot, medium, group, &keys);
+        let root = translated
+            .first()
+            .filter(|(engine, _)| {
+                event.parent_block_hash.is_none() && published.first() == Some(engine)
+            })
+            .map(|(_, digest)| digest.block_key().0);
+        if let Some(root) = root {
+            index.salts.stored(self.slot, root, salt_tags(event));
+        }
         report.stored += outcome.added;
         report.dropped += outcome.dropped;
         report.stored_keys.extend_from_slice(&keys);
@@ -348,6 +360,21 @@ impl Applier {
         }
         Some(key)
     }
+}
+
+/// The salt tags of a first block's extra keys: every string but the LoRA name (vLLM
+/// publishes the salt bare, after the LoRA name; multimodal keys are pairs), or None when
+/// the event carries no extra keys at all (vLLM before 0.17), so its salts are unknowable.
+fn salt_tags(event: &BlockStored) -> Option<Vec<u64>> {
+    let first = event.extra_keys.as_ref()?.first().and_then(Option::as_ref);
+    let mut texts = first.into_iter().flatten().filter_map(|k| match k {
+        ExtraKey::Text(t) => Some(t.as_str()),
+        ExtraKey::Other(_) => None,
+    });
+    if event.lora_name.is_some() {
+        texts.next();
+    }
+    Some(texts.map(salt_tag).collect())
 }
 
 /// Translations of engine hashes computed ahead for one batch.

@@ -763,13 +763,32 @@ impl Stack {
         Ok(())
     }
 
-    /// Addresses of every daemon, the primary first.
+    /// Waits until every daemon knows from the replicas' events that one of them holds a
+    /// first block of `salt`: its salt probe (unbooked) answers "tokenize".
+    pub fn wait_salt_held(&self, salt: &str) -> anyhow::Result<()> {
+        let probe = json!({"salt": kvaffine_core::salt_tag(salt)}).to_string();
+        for daemon in self.daemon_addresses() {
+            poll(
+                &format!("{daemon} sees salt {salt:?} in the replicas' events"),
+                Duration::from_secs(15),
+                || {
+                    let (status, text) = http(daemon, "POST", "/v2/salt", &probe);
+                    status == 200
+                        && serde_json::from_str::<Value>(&text)
+                            .is_ok_and(|answer| answer.get("route").is_none())
+                },
+            )?;
+        }
+        Ok(())
+    }
+
     /// `HOST:PORT` of every replica's HTTP server.
     pub fn replica_addresses(&self) -> Vec<String> {
         self.upstreams.iter().map(|u| u.http.clone()).collect()
     }
 
-    fn daemon_addresses(&self) -> Vec<&str> {
+    /// Addresses of every daemon, the primary first.
+    pub fn daemon_addresses(&self) -> Vec<&str> {
         let mut all = vec![self.daemon_addr.as_str()];
         all.extend(self.spare_daemons.iter().map(|(_, a)| a.as_str()));
         all

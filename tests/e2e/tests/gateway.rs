@@ -95,6 +95,114 @@ fn a_continuation_is_pinned_to_the_warm_replica() {
     assert!(stack.stat("wasmcustom.kvaffine.routed.prefix") >= 4.0);
 }
 
+/// Tokenizer calls the gateway made.
+fn tokenizer_calls(stack: &Stack) -> f64 {
+    stack.stat("cluster.tokenizer.upstream_rq_total")
+}
+
+#[test]
+fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
+    let stack = Stack::start(StackConfig {
+        filter: json!({"salt_probes": true}),
+        ..StackConfig::default()
+    })
+    .unwrap();
+    for seed in 0..4 {
+        let salt = format!("fresh-{seed}");
+        let history = long_history(100 + seed);
+        let calls = tokenizer_calls(&stack);
+        let first = chat(
+            &stack,
+            &json!({"messages": history, "max_tokens": 8, "cache_salt": salt}),
+        );
+        assert_eq!(first.status, 200, "{}", first.body);
+        let seen = (
+            first.header("x-kvaffine-reason"),
+            first.header("x-kvaffine-matched-blocks"),
+        );
+        assert_eq!(seen, (Some("new-salt"), Some("0")), "{:?}", first.headers);
+        let warm = first.header("x-served-by").map(str::to_owned);
+        assert_eq!(first.header("x-kvaffine-endpoint").map(str::to_owned), warm);
+        assert_eq!(tokenizer_calls(&stack), calls, "turn 1 was not tokenized");
+        let mut messages = history.as_array().unwrap().clone();
+        messages.push(first.json()["choices"][0]["message"].clone());
+        messages.push(json!({"role": "user", "content": "continue"}));
+        // Turn 2 follows its salt: tokenized and routed by prefix once kvaffined has the
+        // replica's events, by the salt's booking before.
+        let second = chat(
+            &stack,
+            &json!({"messages": messages, "max_tokens": 8, "cache_salt": salt}),
+        );
+        assert_eq!(second.status, 200, "{}", second.body);
+        assert!(
+            matches!(
+                second.header("x-kvaffine-reason"),
+                Some("prefix" | "salt-booked")
+            ),
+            "{:?}",
+            second.headers
+        );
+        assert_eq!(second.header("x-served-by").map(str::to_owned), warm);
+        let prompt = second.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(
+            cached(&second) * 10 >= prompt * 8,
+            "{} of {prompt} cached",
+            cached(&second)
+        );
+    }
+    assert!(stack.stat("wasmcustom.kvaffine.routed.new-salt") >= 4.0);
+}
+
+/// Turn 1 sent straight to a replica (around the gateway), then turn 2 through it: the
+/// salt is known from the replica's events, so turn 2 is tokenized and lands warm, with
+/// two active-active daemons and across a daemon restart (rebuilt by replay).
+#[test]
+fn a_salt_first_sent_around_the_gateway_is_routed_warm() {
+    let mut stack = Stack::start(StackConfig {
+        daemons: 2,
+        filter: json!({"salt_probes": true}),
+        ..StackConfig::default()
+    })
+    .unwrap();
+    for (round, restart) in [(0, false), (1, true)] {
+        let salt = format!("around-{round}");
+        let history = long_history(200 + round);
+        let replica = stack.replica_addresses()[round].clone();
+        let first = post_json(
+            &replica,
+            "/v1/chat/completions",
+            &json!({"messages": history, "max_tokens": 8, "cache_salt": salt}),
+        );
+        assert_eq!(first.status, 200, "{}", first.body);
+        stack.wait_salt_held(&salt).unwrap();
+        if restart {
+            stack.restart_daemon().unwrap();
+            stack.wait_salt_held(&salt).unwrap();
+        }
+        let mut messages = history.as_array().unwrap().clone();
+        messages.push(first.json()["choices"][0]["message"].clone());
+        messages.push(json!({"role": "user", "content": "continue"}));
+        let calls = tokenizer_calls(&stack);
+        let second = chat(
+            &stack,
+            &json!({"messages": messages, "max_tokens": 8, "cache_salt": salt}),
+        );
+        assert_eq!(second.status, 200, "{}", second.body);
+        assert_eq!(
+            (
+                second.header("x-kvaffine-reason"),
+                second.header("x-served-by")
+            ),
+            (Some("prefix"), Some(replica.as_str())),
+            "{:?}",
+            second.headers
+        );
+        assert_eq!(tokenizer_calls(&stack), calls + 1.0, "turn 2 was tokenized");
+        let prompt = second.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(cached(&second) * 10 >= prompt * 8);
+    }
+}
+
 #[test]
 fn gets_pass_through_and_spoofed_destinations_never_leave_the_pool() {
     let stack = Stack::start(StackConfig::default()).unwrap();

@@ -121,7 +121,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     // (name, pair, check, in the routing subset that older versions run in CI)
-    let checks: [(&str, Pair, Check, bool); 25] = [
+    let checks: [(&str, Pair, Check, bool); 26] = [
         (
             "events_and_replay_are_read_in_their_layout",
             Pair::Cbor,
@@ -217,6 +217,12 @@ fn main() -> std::process::ExitCode {
             Pair::Cbor,
             frozen_tokenizer,
             false,
+        ),
+        (
+            "new_salts_skip_the_tokenizer_and_known_salts_return_warm",
+            Pair::Cbor,
+            salt_probes,
+            true,
         ),
         (
             "up_fronts_real_replicas_it_did_not_start",
@@ -707,6 +713,99 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
     ensure(compared > 0, || {
         format!("no replica served three cold turns of {rounds}")
     })?;
+    Ok(())
+}
+
+/// A salt no replica holds (vLLM publishes each first block's salt in its events) is
+/// routed by load with no tokenizer call; its continuation lands warm. A salt whose turn 1
+/// went straight to a replica, around the gateway, is known from that replica's events:
+/// its turn 2 is tokenized and lands warm there.
+fn salt_probes(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = kvaffine_e2e::vllm::front(
+        replicas,
+        StackConfig {
+            filter: json!({"salt_probes": true}),
+            ..StackConfig::default()
+        },
+    )?;
+    stack.wait_scraped()?;
+    let tokenizer_calls = || stack.stat("cluster.tokenizer.upstream_rq_total");
+    let turn_2 = |messages: &[Value], first: &Reply, salt: &str| {
+        let mut messages = messages.to_vec();
+        messages.push(first.json()["choices"][0]["message"].clone());
+        messages.push(json!({"role": "user", "content": "go on"}));
+        ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_body(&messages, salt),
+            ),
+            "turn 2",
+        )
+    };
+    for i in 0..4 {
+        let salt = salt("new-salt", i);
+        let messages = chat_first_messages(8_000 + i);
+        let calls = tokenizer_calls();
+        let first = ok(
+            post_json(
+                &stack.gateway,
+                "/v1/chat/completions",
+                &chat_body(&messages, &salt),
+            ),
+            "turn 1",
+        )?;
+        let seen = (
+            first.header("x-kvaffine-reason"),
+            first.header("x-kvaffine-matched-blocks"),
+            first.header("x-kvaffine-endpoint"),
+        );
+        ensure(
+            seen.0 == Some("new-salt")
+                && seen.1 == Some("0")
+                && seen.2 == first.header("x-served-by"),
+            || format!("round {i}: turn 1 {:?}", first.headers),
+        )?;
+        ensure(tokenizer_calls() == calls, || {
+            format!("round {i}: turn 1 of a new salt was tokenized")
+        })?;
+        ensure(chat_cached(&first) == 0, || {
+            format!("round {i}: vLLM served a new salt from cache")
+        })?;
+        let second = turn_2(&messages, &first, &salt)?;
+        check_warm(
+            &format!("round {i}"),
+            &served_by(&first),
+            chat_prompt(&first),
+            &second,
+            chat_cached(&second),
+        )?;
+    }
+    for (i, replica) in replicas.iter().enumerate() {
+        let salt = salt("around", i);
+        let messages = chat_first_messages(9_000 + i);
+        let first = ok(
+            post_json(
+                &replica.http,
+                "/v1/chat/completions",
+                &chat_body(&messages, &salt),
+            ),
+            "turn 1 straight to a replica",
+        )?;
+        stack.wait_salt_held(&salt)?;
+        let calls = tokenizer_calls();
+        let second = turn_2(&messages, &first, &salt)?;
+        ensure(tokenizer_calls() == calls + 1.0, || {
+            format!("replica {i}: turn 2 of a held salt was not tokenized once")
+        })?;
+        check_warm(
+            &format!("around the gateway to replica {i}"),
+            &replica.http,
+            chat_prompt(&first),
+            &second,
+            chat_cached(&second),
+        )?;
+    }
     Ok(())
 }
 

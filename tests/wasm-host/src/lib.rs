@@ -24,13 +24,12 @@ pub fn filter_wasm() -> std::path::PathBuf {
     wasm
 }
 
-/// Opens a completions request whose prompt is 33 token ids (two full 16-token blocks, no
-/// tokenizer call) and runs it to its lookup: the stream, paused on that callout.
-pub fn open_token_prompt(vm: &mut vm::Vm) -> u32 {
-    let body = br#"{"model":"tiny","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33]}"#.to_vec();
+/// Opens a POST of `body` to `path` and runs it to its first callout: the stream, paused
+/// on that callout.
+pub fn open_post(vm: &mut vm::Vm, path: &str, body: Vec<u8>) -> u32 {
     let headers: vm::Headers = vec![
         (":method".into(), b"POST".to_vec()),
-        (":path".into(), b"/v1/completions".to_vec()),
+        (":path".into(), path.as_bytes().to_vec()),
         (":authority".into(), b"gateway".to_vec()),
         ("content-length".into(), body.len().to_string().into_bytes()),
     ];
@@ -39,4 +38,28 @@ pub fn open_token_prompt(vm: &mut vm::Vm) -> u32 {
     assert_eq!(vm.on_request_headers(stream), Some(vm::Action::Pause));
     assert_eq!(vm.on_request_body(stream, size), Some(vm::Action::Pause));
     stream
+}
+
+/// Opens a completions request whose prompt is 33 token ids (two full 16-token blocks, no
+/// tokenizer call) and runs it to its lookup: the stream, paused on that callout.
+pub fn open_token_prompt(vm: &mut vm::Vm) -> u32 {
+    let body = br#"{"model":"tiny","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33]}"#.to_vec();
+    open_post(vm, "/v1/completions", body)
+}
+
+/// The one callout in flight, taken from the host.
+pub fn one_call(vm: &mut vm::Vm) -> vm::CallRequest {
+    let mut calls = vm.take_calls();
+    assert_eq!(calls.len(), 1, "one callout in flight: {calls:?}");
+    calls.remove(0)
+}
+
+/// The upstream a resumed Kong-mode stream was pinned to.
+pub fn kong_target(vm: &vm::Vm, stream: u32) -> Option<String> {
+    let state = vm.stream_state(stream)?;
+    assert!(state.resumed, "the request was resumed");
+    state
+        .properties
+        .get("kong.service.target")
+        .map(|v| String::from_utf8_lossy(v).into_owned())
 }

@@ -5,8 +5,8 @@
 
 use std::path::Path;
 
-use kvaffine_wasm_host::vm::{CallRequest, Vm};
-use kvaffine_wasm_host::{filter_wasm, open_token_prompt};
+use kvaffine_wasm_host::vm::Vm;
+use kvaffine_wasm_host::{filter_wasm, kong_target as target, one_call, open_token_prompt};
 
 fn released_answer(name: &str) -> Vec<u8> {
     std::fs::read(
@@ -19,21 +19,6 @@ fn released_answer(name: &str) -> Vec<u8> {
 
 const CONFIG: &[u8] = br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": "127.0.0.1:2",
     "block_size": 16, "host": "kong"}"#;
-
-fn one_call(vm: &mut Vm) -> CallRequest {
-    let mut calls = vm.take_calls();
-    assert_eq!(calls.len(), 1, "one callout in flight");
-    calls.remove(0)
-}
-
-fn target(vm: &Vm, stream: u32) -> Option<String> {
-    let state = vm.stream_state(stream)?;
-    assert!(state.resumed, "the request was resumed");
-    state
-        .properties
-        .get("kong.service.target")
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-}
 
 #[test]
 fn a_daemon_of_protocol_1_is_asked_again_in_protocol_1_and_routes() {

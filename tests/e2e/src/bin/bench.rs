@@ -123,14 +123,22 @@ fn tokenizer_args(tokenizer: &str) -> anyhow::Result<Vec<String>> {
 
 /// Two real vLLM replicas of the tests' tiny model (64-token blocks) behind the stack: the
 /// routing path with vLLM's own `/tokenize`.
-fn real_stack() -> anyhow::Result<(Stack, Vec<kvaffine_e2e::vllm::VllmProcess>)> {
+fn real_stack(
+    filter: serde_json::Value,
+) -> anyhow::Result<(Stack, Vec<kvaffine_e2e::vllm::VllmProcess>)> {
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec, front};
     let spec = VllmSpec {
         block_size: 64,
         ..VllmSpec::default()
     };
     let replicas = VllmProcess::start_all(&[spec.clone(), spec])?;
-    let stack = front(&replicas, StackConfig::default())?;
+    let stack = front(
+        &replicas,
+        StackConfig {
+            filter,
+            ..StackConfig::default()
+        },
+    )?;
     Ok((stack, replicas))
 }
 
@@ -249,7 +257,7 @@ fn outcomes() -> anyhow::Result<()> {
 /// `bench filter hash|qwen|vllm`: the emulator's instant or BPE tokenizer, or real vLLM.
 fn filter(tokenizer: &str) -> anyhow::Result<()> {
     let (stack, _real, model, sizes, tokenizer_name) = if tokenizer == "vllm" {
-        let (stack, real) = real_stack()?;
+        let (stack, real) = real_stack(json!({}))?;
         // The tiny model takes 40,960 tokens: the 220 KB prompt does not fit.
         let sizes = vec![(2 * 1024, 10), (32 * 1024, 8)];
         (
@@ -1280,9 +1288,10 @@ fn words(seed: usize, n: usize) -> String {
         .collect()
 }
 
-/// `bench precise-cost`: what precise routing adds on real vLLM for continuations, which
-/// need the tokenizer, against what the tokenizer itself takes. Each round, sequential:
-/// turn 1 of a new conversation through the gateway; its continuation through the gateway
+/// `bench precise-cost`: what precise routing adds on real vLLM for turn 1s of new salts,
+/// which need no tokenizer, and for continuations, which need it, against what the
+/// tokenizer itself takes. Each continuation round, sequential: turn 1 of a new
+/// conversation around the filter (`/direct/`); its continuation through the gateway
 /// (timed); a sibling continuation of the same length (the last user message differs)
 /// sent straight to the replica the gateway chose (timed; it finds the same cached
 /// prefix); the continuation's own `/tokenize` at that replica (timed). Gateway first in
@@ -1299,7 +1308,7 @@ fn precise_cost() -> anyhow::Result<()> {
     use std::time::{Duration, Instant};
 
     const ROUNDS: usize = 25;
-    let (stack, replicas) = real_stack()?;
+    let (stack, replicas) = real_stack(json!({"salt_probes": true}))?;
     let model = kvaffine_e2e::vllm::SERVED_MODEL;
     let turn_1 = |seed: usize, n: usize, salt: &str| {
         json!({"model": model, "max_tokens": 1, "cache_salt": salt, "messages": [
@@ -1328,19 +1337,29 @@ fn precise_cost() -> anyhow::Result<()> {
             .context("no token count from /tokenize")
     };
     let per_word = count(&turn_1(1, 1_000, "calibrate"))? as f64 / 1_000.0;
-    // The filter's pause (headers to resume) and its two callouts, from Envoy, once its
-    // histograms (merged from the workers at each stats flush) hold the `routed` requests.
+    // The filter's pause (headers to resume), its tokenizer and lookup callouts and its
+    // salt probes, from Envoy, once its pause histogram (merged from the workers at each
+    // stats flush) holds the `routed` requests: (sum, count) each.
     let snapshot = |routed: usize| -> anyhow::Result<Vec<(f64, f64)>> {
         let read = || -> Vec<(f64, f64)> {
-            ["added_latency_us", "tokenize_us", "lookup_us"]
-                .iter()
-                .map(|h| envoy_histogram(&stack, &format!("kvaffine_{h}")))
-                .collect()
+            [
+                "added_latency_us",
+                "tokenize_us",
+                "lookup_us",
+                "salt_probe_us",
+            ]
+            .iter()
+            .map(|h| envoy_histogram(&stack, &format!("kvaffine_{h}")))
+            .collect()
         };
         kvaffine_e2e::poll(
             "Envoy's histograms to hold every request",
             Duration::from_secs(30),
-            || read().iter().all(|(_, count)| *count >= routed as f64),
+            || {
+                read()
+                    .first()
+                    .is_some_and(|(_, count)| *count >= routed as f64)
+            },
         )?;
         Ok(read())
     };
@@ -1360,16 +1379,121 @@ fn precise_cost() -> anyhow::Result<()> {
         let connection = connections.get_mut(replica).context("no connection")?;
         Ok(connection.post_json(path, body))
     }
+    // uvicorn closes a connection idle for 5 s: each round opens again what it closed,
+    // with an untimed request, before anything is timed.
+    let reopen = |connections: &mut HashMap<String, Connection>| -> anyhow::Result<()> {
+        for replica in &stack.upstreams {
+            let ping = json!({"model": model, "prompt": "ping"});
+            if at(connections, &replica.http, "/tokenize", &ping)?.status != 200 {
+                connections.remove(&replica.http);
+                let again = at(connections, &replica.http, "/tokenize", &ping)?;
+                if again.status != 200 {
+                    bail!(
+                        "{} /tokenize: {} {}",
+                        replica.http,
+                        again.status,
+                        again.body
+                    );
+                }
+            }
+        }
+        Ok(())
+    };
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
     let mut out = String::new();
+    // Turn 1s of new salts: no replica holds the salt, so the filter asks kvaffined and
+    // pins by load without a tokenizer call. Each round a new salt through the gateway and
+    // a sibling of the same length (another new salt) straight to a replica, in turn
+    // first: the one the gateway chose in even rounds, the one it chose last in odd ones.
     writeln!(
         out,
-        "| continuation | rounds | through the gateway p50 | sibling straight to the replica p50 | added p50 | its `/tokenize` p50 | added / `/tokenize` | filter: paused (mean) | tokenize callout | lookup callout | rest of the filter | keys in-process | served warm |"
+        "| turn 1 of a new salt | rounds | through the gateway p50 | sibling straight to a replica p50 | added p50 | filter: paused (mean) | salt probe (mean) | tokenizer calls | reason `new-salt` |"
     )?;
-    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|")?;
+    let tokenizer_calls = || stack.stat("cluster.tokenizer.upstream_rq_total");
+    let mut last_chosen = stack.upstreams.first().context("no replica")?.http.clone();
+    for target in [1_500usize, 6_000] {
+        let n = (target as f64 / per_word) as usize;
+        let tokens = count(&turn_1(3, n, "size"))?;
+        let (mut gateway, mut direct, mut added) = (Vec::new(), Vec::new(), Vec::new());
+        let mut new_salt = 0;
+        let mut before = (snapshot(routed)?, tokenizer_calls());
+        for round in 0..ROUNDS + 2 {
+            let id = std::process::id();
+            let seed = 50_000 + target + round;
+            let body = turn_1(seed, n, &format!("new-{target}-{round}-{id}"));
+            let sibling = turn_1(seed + 7, n, &format!("sib-{target}-{round}-{id}"));
+            reopen(&mut connections)?;
+            let through = |connection: &mut Connection| {
+                let started = Instant::now();
+                let reply = connection.post_json("/v1/chat/completions", &body);
+                (started.elapsed(), reply)
+            };
+            let (g, g_reply, d, d_reply) = if round % 2 == 0 {
+                let (g, g_reply) = through(&mut gateway_connection);
+                let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
+                let started = Instant::now();
+                let d_reply = at(&mut connections, &chosen, "/v1/chat/completions", &sibling)?;
+                (g, g_reply, started.elapsed(), d_reply)
+            } else {
+                let started = Instant::now();
+                let d_reply = at(
+                    &mut connections,
+                    &last_chosen,
+                    "/v1/chat/completions",
+                    &sibling,
+                )?;
+                let d = started.elapsed();
+                let (g, g_reply) = through(&mut gateway_connection);
+                (g, g_reply, d, d_reply)
+            };
+            routed += 1;
+            for reply in [&g_reply, &d_reply] {
+                if reply.status != 200 {
+                    bail!("turn 1 of a new salt: {} {}", reply.status, reply.body);
+                }
+            }
+            last_chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
+            if round < 2 {
+                before = (snapshot(routed)?, tokenizer_calls());
+                continue;
+            }
+            new_salt += usize::from(g_reply.header("x-kvaffine-reason") == Some("new-salt"));
+            gateway.push(ms(g));
+            direct.push(ms(d));
+            added.push(ms(g) - ms(d));
+        }
+        let after = snapshot(routed)?;
+        // Milliseconds of histogram `i` per request.
+        let per_request = |i: usize| {
+            let (Some(a), Some(b)) = (after.get(i), before.0.get(i)) else {
+                return f64::NAN;
+            };
+            (a.0 - b.0) / ROUNDS as f64 / 1e3
+        };
+        writeln!(
+            out,
+            "| {tokens} tokens | {ROUNDS} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} | {new_salt} of {ROUNDS} |",
+            median(gateway),
+            median(direct),
+            median(added),
+            per_request(0),
+            per_request(3),
+            tokenizer_calls() - before.1,
+        )?;
+    }
+    writeln!(out)?;
+    writeln!(
+        out,
+        "| continuation | rounds | through the gateway p50 | sibling straight to the replica p50 | added p50 | its `/tokenize` p50 | added / `/tokenize` | filter: paused (mean) | salt probe | tokenize callout | lookup callout | rest of the filter | keys in-process | served warm |"
+    )?;
+    writeln!(
+        out,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )?;
     for target in [1_500usize, 6_000, 30_000] {
         let n = (target as f64 / per_word) as usize;
         let tokens = count(&continuation(2, n, "size", 0))?;
@@ -1380,30 +1504,16 @@ fn precise_cost() -> anyhow::Result<()> {
         for round in 0..ROUNDS + 2 {
             let salt = format!("cost-{target}-{round}-{}", std::process::id());
             let seed = target + round;
-            let first =
-                gateway_connection.post_json("/v1/chat/completions", &turn_1(seed, n, &salt));
-            routed += 2;
+            // Turn 1 around the filter (`/direct/`, Envoy's round robin): the filter's
+            // histograms then hold the continuations alone.
+            let first = gateway_connection
+                .post_json("/direct/v1/chat/completions", &turn_1(seed, n, &salt));
+            routed += 1;
             if first.status != 200 {
                 bail!("turn 1: {} {}", first.status, first.body);
             }
             let warm_at = first.header("x-served-by").unwrap_or("").to_owned();
-            // uvicorn closes a connection idle for 5 s: each round opens again what it
-            // closed, with an untimed request, before anything is timed.
-            for replica in &stack.upstreams {
-                let ping = json!({"model": model, "prompt": "ping"});
-                if at(&mut connections, &replica.http, "/tokenize", &ping)?.status != 200 {
-                    connections.remove(&replica.http);
-                    let again = at(&mut connections, &replica.http, "/tokenize", &ping)?;
-                    if again.status != 200 {
-                        bail!(
-                            "{} /tokenize: {} {}",
-                            replica.http,
-                            again.status,
-                            again.body
-                        );
-                    }
-                }
-            }
+            reopen(&mut connections)?;
             let (gateway_body, sibling) = (
                 continuation(seed, n, &salt, 0),
                 continuation(seed, n, &salt, 1),
@@ -1481,15 +1591,16 @@ fn precise_cost() -> anyhow::Result<()> {
             };
             (a.0 - b.0) / (a.1 - b.1).max(1.0) / 1e3
         };
-        let (paused, tokenize_callout, lookup_callout) = (mean_ms(0), mean_ms(1), mean_ms(2));
+        let (paused, tokenize_callout, lookup_callout, probe) =
+            (mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3));
         let (added_p50, tokenize_p50) = (median(added.clone()), median(tokenize.clone()));
         writeln!(
             out,
-            "| {tokens} tokens | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {tokenize_callout:.2} ms | {lookup_callout:.2} ms | {:.2} ms | {:.2} ms | {warm} of {ROUNDS} |",
+            "| {tokens} tokens | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {probe:.2} ms | {tokenize_callout:.2} ms | {lookup_callout:.2} ms | {:.2} ms | {:.2} ms | {warm} of {ROUNDS} |",
             median(gateway),
             median(direct),
             added_p50 / tokenize_p50,
-            paused - tokenize_callout - lookup_callout,
+            paused - probe - tokenize_callout - lookup_callout,
             median(keys),
         )?;
     }

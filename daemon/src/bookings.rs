@@ -118,7 +118,22 @@ impl Backlogs {
     /// continuation to a cold replica whenever recomputing it looked a hair cheaper than
     /// waiting for turn 1 plus reading its cache.
     pub fn pending_tokens(&self, now: Instant, own: &[BlockKey]) -> [u64; MAX_SLOTS] {
-        let own: HashSet<u64> = own.iter().map(|k| k.0).collect();
+        // The queued picks' last keys that are the request's own: the queues hold a few
+        // picks, a request thousands of keys, so the request is scanned once against
+        // them rather than hashed whole on every lookup.
+        let queued: HashSet<u64> = self
+            .queues
+            .iter()
+            .flat_map(PrefillQueue::last_keys)
+            .collect();
+        let own: HashSet<u64> = if queued.is_empty() {
+            HashSet::new()
+        } else {
+            own.iter()
+                .map(|k| k.0)
+                .filter(|k| queued.contains(k))
+                .collect()
+        };
         let mut out = [0u64; MAX_SLOTS];
         for ((out, queue), &rate) in out
             .iter_mut()
@@ -151,10 +166,9 @@ impl SaltBookings {
     /// refused if none had expired.
     pub const MAX_SALTS: usize = 65_536;
 
-    /// Books salt `tag` on `endpoint` until `until`; false if refused (full).
-    pub fn book(&mut self, tag: u64, endpoint: &str, until: Instant) -> bool {
+    /// Books salt `tag` on `endpoint` at `now` until `until`; false if refused (full).
+    pub fn book(&mut self, tag: u64, endpoint: &str, now: Instant, until: Instant) -> bool {
         if self.by_tag.len() >= Self::MAX_SALTS && !self.by_tag.contains_key(&tag) {
-            let now = Instant::now();
             self.by_tag.retain(|_, (_, expiry)| *expiry > now);
             if self.by_tag.len() >= Self::MAX_SALTS {
                 return false;

@@ -8,7 +8,7 @@ use std::collections::hash_map::Entry;
 
 use foldhash::fast::RandomState;
 
-use crate::index::{MAX_SLOTS, Slot};
+use crate::index::Slot;
 
 /// First blocks tracked per daemon; past it a replica's further salts are unknowable, and
 /// it counts as holding every salt (a probe then tokenizes, as without this index).
@@ -20,8 +20,10 @@ pub struct SaltIndex {
     /// (slot, first block's key) -> the salt tags its extra keys carry, and the copies
     /// stored (one per group and tier).
     roots: HashMap<(u8, u64), (Vec<u64>, u32), RandomState>,
-    /// Salt tag -> first blocks of it held per slot.
-    held: HashMap<u64, [u32; MAX_SLOTS], RandomState>,
+    /// Salt tag -> (slot, first blocks of it the slot holds), only slots holding some: a
+    /// salt is on one replica or a few, and a count per possible slot would cost 256 bytes
+    /// for each of what may be millions of salts.
+    held: HashMap<u64, Vec<(u8, u32)>, RandomState>,
     /// Slots whose salts cannot be known: a first block published without extra keys
     /// (vLLM before 0.17) or past [`MAX_SALTED_ROOTS`].
     unknown: u64,
@@ -49,13 +51,10 @@ impl SaltIndex {
                     return;
                 }
                 for &tag in &tags {
-                    if let Some(count) = self
-                        .held
-                        .entry(tag)
-                        .or_insert([0; MAX_SLOTS])
-                        .get_mut(slot.index())
-                    {
-                        *count += 1;
+                    let counts = self.held.entry(tag).or_default();
+                    match counts.iter_mut().find(|(s, _)| *s == n) {
+                        Some((_, count)) => *count += 1,
+                        None => counts.push((n, 1)),
                     }
                 }
                 entry.insert((tags, 1));
@@ -74,7 +73,7 @@ impl SaltIndex {
         }
         let (tags, _) = entry.remove();
         for tag in tags {
-            self.release(tag, slot.index());
+            self.release(tag, slot.index() as u8);
         }
     }
 
@@ -89,17 +88,23 @@ impl SaltIndex {
             *s != n
         });
         for tag in released {
-            self.release(tag, slot.index());
+            self.release(tag, n);
         }
         self.unknown &= !bit(slot);
     }
 
-    fn release(&mut self, tag: u64, slot: usize) {
+    fn release(&mut self, tag: u64, slot: u8) {
         if let Entry::Occupied(mut held) = self.held.entry(tag) {
-            if let Some(count) = held.get_mut().get_mut(slot) {
-                *count = count.saturating_sub(1);
+            let counts = held.get_mut();
+            if let Some(i) = counts.iter().position(|(s, _)| *s == slot) {
+                if let Some((_, count)) = counts.get_mut(i) {
+                    *count -= 1;
+                    if *count == 0 {
+                        counts.swap_remove(i);
+                    }
+                }
             }
-            if held.get().iter().all(|&c| c == 0) {
+            if counts.is_empty() {
                 held.remove();
             }
         }
@@ -108,11 +113,7 @@ impl SaltIndex {
     /// The slots that hold, or may hold, a first block of salt `tag`, as bits.
     pub fn holders(&self, tag: u64) -> u64 {
         let held = self.held.get(&tag).map_or(0, |counts| {
-            counts
-                .iter()
-                .enumerate()
-                .filter(|(_, c)| **c > 0)
-                .fold(0, |bits, (slot, _)| bits | 1 << slot)
+            counts.iter().fold(0, |bits, (slot, _)| bits | 1 << slot)
         });
         held | self.unknown
     }

@@ -436,6 +436,11 @@ impl PrefillQueue {
         }
     }
 
+    /// The last keys of the picks queued (text-keyed picks have none).
+    pub fn last_keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.items.iter().filter_map(|(key, _)| *key)
+    }
+
     /// Tokens still queued at `now`, leaving out the picks whose last key `is_own`
     /// accepts (a request's own prefix: see [`Backlogs::pending_tokens`]).
     ///

@@ -799,7 +799,7 @@ impl Daemon {
         if !self
             .salt_bookings
             .lock()
-            .book(probe.salt, &replica.record.endpoint, now + ttl)
+            .book(probe.salt, &replica.record.endpoint, now, now + ttl)
         {
             self.metrics.bookings_refused.inc();
         }

@@ -780,8 +780,9 @@ impl Daemon {
 
     /// Books a probe's pick for its salt, if asked: its prefill (all of its estimated
     /// blocks: nothing of a new salt is cached) and the replica's fixed cost join the
-    /// replica's backlog, and the salt's next requests follow it until its events show
-    /// the salt or the booking expires.
+    /// replica's backlog under the salt's tag (its events' first block of the salt
+    /// confirms it), and the salt's next requests follow it until its events show the
+    /// salt or the booking expires.
     fn book_salt(&self, probe: &SaltProbe, ranking: &Ranking, now: Instant) -> Option<String> {
         let booking = probe.book?;
         let replica = ranking.replicas.get(*ranking.order.first()?)?;

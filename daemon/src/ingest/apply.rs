@@ -45,6 +45,9 @@ pub struct ApplyReport {
     pub stored: usize,
     /// Keys of every block stored, in kvaffine's key space (bookings confirm against them).
     pub stored_keys: Vec<u64>,
+    /// The salt tags of the first blocks stored: a pick routed by its salt alone (no
+    /// keys) is done, as far as events can say, once its salt's first block is stored.
+    pub stored_salts: Vec<u64>,
     /// (block, slot) pairs forgotten.
     pub removed: usize,
     /// Pairs refused at the index's entry limit.
@@ -252,7 +255,7 @@ impl Applier {
         if self.alignment != Alignment::Rekeyed {
             let outcome = index.store(self.slot, medium, group, &published);
             if let (None, Some(&root)) = (&event.parent_block_hash, published.first()) {
-                index.salts.stored(self.slot, root, salt_tags(event));
+                self.note_root(event, root, index, report);
             }
             report.stored += outcome.added;
             report.dropped += outcome.dropped;
@@ -288,11 +291,26 @@ impl Applier {
             })
             .map(|(_, digest)| digest.block_key().0);
         if let Some(root) = root {
-            index.salts.stored(self.slot, root, salt_tags(event));
+            self.note_root(event, root, index, report);
         }
         report.stored += outcome.added;
         report.dropped += outcome.dropped;
         report.stored_keys.extend_from_slice(&keys);
+    }
+
+    /// Notes the salts of a stored first block, in the index and for the confirmations.
+    fn note_root(
+        &self,
+        event: &BlockStored,
+        root: u64,
+        index: &mut PrefixIndex,
+        report: &mut ApplyReport,
+    ) {
+        let tags = salt_tags(event);
+        if let Some(tags) = &tags {
+            report.stored_salts.extend_from_slice(tags);
+        }
+        index.salts.stored(self.slot, root, tags);
     }
 
     fn check_alignment(

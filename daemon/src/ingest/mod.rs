@@ -406,9 +406,18 @@ impl Follower<'_> {
                 .bookings
                 .write()
                 .confirm(self.endpoint.slot, &report.stored_keys);
+        }
+        if !report.stored_keys.is_empty() || !report.stored_salts.is_empty() {
+            // Salt-routed picks are queued under their salt's tag (`Daemon::probe`).
+            let done: Vec<u64> = report
+                .stored_keys
+                .iter()
+                .chain(&report.stored_salts)
+                .copied()
+                .collect();
             self.daemon.backlogs.lock().confirm(
                 self.endpoint.slot,
-                &report.stored_keys,
+                &done,
                 std::time::Instant::now(),
             );
         }

@@ -38,6 +38,14 @@ const MIN_CONDITION: f64 = 0.05;
 /// and a fit to them would rank such replicas at random. Such a replica is instant.
 const INSTANT_SECONDS_PER_REQUEST: f64 = 0.001;
 
+/// One scrape's requests can make a replica look at most this many times slower, or
+/// faster, than its fit so far. vLLM's prefill time runs from first scheduled to first
+/// token, so a request caught mid-prefill by a stall (a frozen process, a paused host)
+/// reports the stall as prefill: unbounded, one such sample made the replica look so slow
+/// that it got no traffic, and so no sample that could correct it. A real change of speed
+/// is still followed, by up to this factor a sample.
+const MAX_SAMPLE_SURPRISE: f64 = 8.0;
+
 /// Speeds are kept within these bounds: an instant replica (the emulator at time scale
 /// 0 reports no prefill time) drains its queue at once, not at infinity.
 const MAX_TOKENS_PER_SECOND: f64 = 1e9;
@@ -179,10 +187,23 @@ impl SpeedLearner {
             return;
         }
         let work = k + self.cached_token_cost * cached;
+        let t = match self.expected_seconds(n, work) {
+            Some(expected) if expected > 0.0 => t.clamp(
+                expected / MAX_SAMPLE_SURPRISE,
+                expected * MAX_SAMPLE_SURPRISE,
+            ),
+            _ => t,
+        };
         self.sums.decay_and_add(n, work, t);
         self.samples += 1;
         self.requests += n;
         self.tokens += work;
+    }
+
+    /// Seconds the fit so far expects `requests` requests of `work` tokens to take.
+    fn expected_seconds(&self, requests: f64, work: f64) -> Option<f64> {
+        let (per_request, per_token) = self.sums.fit(self.requests, self.tokens)?;
+        Some(requests * per_request + work * per_token)
     }
 
     /// The replica's own speed, once there is enough evidence.
@@ -513,6 +534,26 @@ mod tests {
         assert!((speed.tokens_per_second - 8000.0).abs() < 1e-6, "{speed:?}");
         assert!((speed.overhead_tokens - 320.0).abs() < 1e-6, "{speed:?}");
         assert_eq!(learner.samples(), 5);
+    }
+
+    #[test]
+    fn a_stall_mid_prefill_bends_the_fit_and_a_real_slowdown_moves_it() {
+        let mut learner = SpeedLearner::default();
+        let steady = [(1.0, 1000.0); 30];
+        feed(&mut learner, &steady, 0.0, 4000.0);
+        // One request of 1,000 tokens caught by an 80 s stall: 320 times what it costs.
+        let mut stalled = learner.last.unwrap_or_default();
+        stalled.requests += 1.0;
+        stalled.computed_tokens += 1000.0;
+        stalled.prompt_tokens += 1000.0;
+        stalled.seconds += 80.0;
+        learner.observe(stalled);
+        let after_stall = learner.measured().unwrap().tokens_per_second;
+        assert!(after_stall > 4000.0 / 2.0, "{after_stall}");
+        // The replica really became ten times slower: followed within 10%.
+        feed(&mut learner, &[(1.0, 1000.0); 100], 0.0, 400.0);
+        let slowed = learner.measured().unwrap().tokens_per_second;
+        assert!((slowed / 400.0 - 1.0).abs() < 0.1, "{slowed}");
     }
 
     #[test]

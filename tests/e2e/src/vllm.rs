@@ -347,12 +347,15 @@ impl VllmProcess {
         Ok(())
     }
 
-    /// Waits for `/health`; on failure names the replica and shows its log's tail.
+    /// Waits for `/health`; on failure names the replica and shows its log's tail. A
+    /// GPT-OSS replica also renders one chat: vLLM loads the harmony encoding at its first
+    /// one (504 ms on an AMD EPYC where later renders took 7 ms), longer than the filter's
+    /// callout deadline on a slower machine, whose first routed chat then went by text.
     pub fn wait_healthy(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + self.spec.startup_deadline;
         loop {
             if http(&self.http, "GET", "/health", "").0 == 200 {
-                return Ok(());
+                return self.load_chat_renderer();
             }
             let exited = self
                 .child
@@ -376,6 +379,28 @@ impl VllmProcess {
             }
             std::thread::sleep(Duration::from_millis(250));
         }
+    }
+
+    fn load_chat_renderer(&self) -> anyhow::Result<()> {
+        if self.spec.model != "gpt-oss" || !facts(&self.spec.version).render_endpoints {
+            return Ok(());
+        }
+        let chat = serde_json::json!({"model": SERVED_MODEL,
+            "messages": [{"role": "user", "content": "ready?"}]});
+        let (status, body) = http(
+            &self.http,
+            "POST",
+            "/v1/chat/completions/render",
+            &chat.to_string(),
+        );
+        if status != 200 {
+            bail!(
+                "vLLM {} replica {} cannot render a chat: {status} {body}",
+                self.spec.version,
+                self.http
+            );
+        }
+        Ok(())
     }
 
     /// Kills the server and its engine process, as a crash would, and waits until their

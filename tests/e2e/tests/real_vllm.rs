@@ -428,7 +428,18 @@ fn chat_prompt(reply: &Reply) -> u64 {
 
 /// `x-kvaffine-matched-blocks`; an error when the filter did not set it, so that no
 /// comparison with it passes on a missing header.
+/// The blocks kvaffine predicted vLLM would serve from cache. Only a request keyed from
+/// vLLM's own tokens carries a prediction: one routed by text (its tokenizer callout
+/// failed or passed its deadline) is an error here, named as such.
 fn matched(reply: &Reply) -> anyhow::Result<u64> {
+    let mode = reply.header("x-kvaffine-mode");
+    ensure(mode == Some("precise"), || {
+        format!(
+            "no prediction: routed in mode {mode:?} (reason {:?}), so its tokenizer callout failed or passed its deadline; headers {:?}",
+            reply.header("x-kvaffine-reason"),
+            reply.headers
+        )
+    })?;
     reply
         .header("x-kvaffine-matched-blocks")
         .and_then(|v| v.parse().ok())
@@ -2050,7 +2061,9 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
                 (Instant::now(), String::new())
             }
         };
-        traffic.wait_served_by(&victim, down_until)?;
+        let back = traffic.wait_served_by(&victim, down_until);
+        let prefill = victim_prefill(&stack, &victim);
+        back.map_err(|e| anyhow::anyhow!("{fault}: {e}; kvaffined's view of {victim}: {prefill}"))?;
         traffic.wait_for_more(8)?;
         let exchanges = traffic.finish();
         let retries = stack.stat("cluster.pool.upstream_rq_retry") - retries_before;
@@ -2081,7 +2094,7 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
             })
             .count();
         report.push(format!(
-            "{fault}: {} requests, {complete} complete, {cut} cut mid-answer, {} failed before any byte, {retries} Envoy retries ({timeouts} after a stream's headers timed out), {pinned_while_gone} pinned to it while it was gone, down {:.1} s {note}",
+            "{fault}: {} requests, {complete} complete, {cut} cut mid-answer, {} failed before any byte, {retries} Envoy retries ({timeouts} after a stream's headers timed out), {pinned_while_gone} pinned to it while it was gone, down {:.1} s {note}, its prefill when back {prefill}",
             exchanges.len(),
             failed.len(),
             (down_until - struck).as_secs_f64(),
@@ -2095,6 +2108,20 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     }
     eprintln!("replica going away: {}", report.join("; "));
     Ok(())
+}
+
+/// What kvaffined's `/v1/endpoints` says of `replica`'s prefill speed and status.
+fn victim_prefill(stack: &Stack, replica: &str) -> String {
+    let reply = send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"");
+    reply.json()["endpoints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["endpoint"] == replica)
+        .map_or_else(
+            || format!("not listed ({} {})", reply.status, reply.body),
+            |e| format!("{} {}", e["prefill"], e["status"]),
+        )
 }
 
 /// A replica frozen (`SIGSTOP`) is not asked to tokenize once kvaffined has noticed, and

@@ -2054,8 +2054,15 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
             }
             _ => {
                 replica.freeze(true)?;
-                // Long enough for requests in flight on it to meet the per-try timeout.
-                let frozen = traffic.wait_for_more(40);
+                // The fault lasts past the per-try timeout of a stream sent to it before
+                // kvaffined noticed (Envoy then retries it elsewhere), and while the other
+                // replica serves more conversations. Counting requests alone made it last
+                // 2.8 s on a fast machine (no timeout met) and far longer on a slow one.
+                std::thread::sleep(
+                    Duration::from_millis(kvaffine_e2e::STREAM_HEADERS_TIMEOUT_MS)
+                        + Duration::from_secs(2),
+                );
+                let frozen = traffic.wait_for_more(8);
                 replica.freeze(false)?;
                 frozen?;
                 (Instant::now(), String::new())

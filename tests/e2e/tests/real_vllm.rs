@@ -732,14 +732,38 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
 /// went straight to a replica, around the gateway, is known from that replica's events:
 /// its turn 2 is tokenized and lands warm there.
 fn salt_probes(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
-    let stack = kvaffine_e2e::vllm::front(
-        replicas,
-        StackConfig {
-            filter: json!({"salt_probes": true}),
-            ..StackConfig::default()
-        },
-    )?;
-    stack.wait_scraped()?;
+    let start = |replicas: &[VllmProcess]| -> anyhow::Result<Stack> {
+        let stack = kvaffine_e2e::vllm::front(
+            replicas,
+            StackConfig {
+                filter: json!({"salt_probes": true}),
+                ..StackConfig::default()
+            },
+        )?;
+        stack.wait_scraped()?;
+        Ok(stack)
+    };
+    // kvaffined can rule a salt out on a replica only if it replayed that replica's whole
+    // stream, and vLLM keeps the last 10,000 steps for replay (`buffer_steps`): after the
+    // suite's earlier checks a new daemon may find a replica's first batches gone, mark
+    // its index incomplete, and tokenize every salted request, as it must. Those
+    // replicas start afresh.
+    let mut stack = start(replicas)?;
+    let incomplete = incomplete_endpoints(&stack);
+    if !incomplete.is_empty() {
+        eprintln!(
+            "salt probes: restarting {incomplete:?}, whose first batches vLLM no longer replays"
+        );
+        drop(stack);
+        for replica in replicas.iter_mut().filter(|r| incomplete.contains(&r.http)) {
+            replica.restart()?;
+        }
+        stack = start(replicas)?;
+        let still = incomplete_endpoints(&stack);
+        ensure(still.is_empty(), || {
+            format!("restarted, these replicas' indexes are still incomplete: {still:?}")
+        })?;
+    }
     let tokenizer_calls = || stack.stat("cluster.tokenizer.upstream_rq_total");
     let turn_2 = |messages: &[Value], first: &Reply, salt: &str| {
         let mut messages = messages.to_vec();
@@ -2115,6 +2139,18 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     }
     eprintln!("replica going away: {}", report.join("; "));
     Ok(())
+}
+
+/// The replicas whose index kvaffined knows to be incomplete.
+fn incomplete_endpoints(stack: &Stack) -> Vec<String> {
+    let reply = send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"");
+    reply.json()["endpoints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| !e["status"]["incomplete"].is_null())
+        .filter_map(|e| e["endpoint"].as_str().map(str::to_owned))
+        .collect()
 }
 
 /// What kvaffined's `/v1/endpoints` says of `replica`'s prefill speed and status.

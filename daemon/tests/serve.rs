@@ -166,6 +166,51 @@ fn a_replica_whose_event_stream_is_gone_is_ranked_last_until_it_is_back() {
     });
 }
 
+/// A replica whose replay no longer holds its first batches leaves the index incomplete
+/// (it may hold anything, every salt included); once it restarts, caching nothing and
+/// replaying from 0, the index is whole again.
+#[test]
+fn a_restart_makes_an_index_left_incomplete_by_a_short_replay_whole_again() {
+    let first_process = zmq::Context::new();
+    let p = EventPublisher::start(
+        &first_process,
+        PublisherConfig {
+            buffer_steps: 2,
+            ..PublisherConfig::default()
+        },
+    )
+    .unwrap();
+    for i in 0..4 {
+        p.publish(&batch(vec![stored(&prompt(60 + i, 2), 0, own)]))
+            .unwrap();
+    }
+    let (pub_url, replay_url) = (
+        p.endpoint().to_owned(),
+        p.replay_endpoint().unwrap().to_owned(),
+    );
+    let daemon = DaemonProcess::start(&["--endpoint", &format!("{A}={pub_url},{replay_url}")]);
+    daemon.wait_ready();
+    assert_ne!(daemon.endpoint_status(A)["incomplete"], json!(null));
+    assert_eq!(daemon.lookup(&[1])["index"], "incomplete");
+    drop(p);
+    drop(first_process);
+    let ctx = zmq::Context::new();
+    let restarted = restart_publisher(&ctx, &pub_url, &replay_url);
+    let fresh = prompt(70, 2);
+    wait_for("the restarted replica's blocks", || {
+        restarted
+            .publish(&batch(vec![stored(&fresh, 0, own)]))
+            .unwrap();
+        daemon.matched(&keys(&fresh), A) == 2
+    });
+    assert_eq!(daemon.endpoint_status(A)["incomplete"], json!(null));
+    assert_eq!(daemon.lookup(&keys(&fresh))["index"], "complete");
+    assert_eq!(
+        daemon.metric("kvaffined_endpoint_incomplete{endpoint=\"127.0.0.1:1\"}"),
+        0.0
+    );
+}
+
 #[test]
 fn a_restarted_replica_is_purged_and_resynced() {
     // The first "process" has its own context: terminating it releases the ports, as a

@@ -38,12 +38,13 @@ const MIN_CONDITION: f64 = 0.05;
 /// and a fit to them would rank such replicas at random. Such a replica is instant.
 const INSTANT_SECONDS_PER_REQUEST: f64 = 0.001;
 
-/// One scrape's requests can make a replica look at most this many times slower, or
-/// faster, than its fit so far. vLLM's prefill time runs from first scheduled to first
-/// token, so a request caught mid-prefill by a stall (a frozen process, a paused host)
-/// reports the stall as prefill: unbounded, one such sample made the replica look so slow
-/// that it got no traffic, and so no sample that could correct it. A real change of speed
-/// is still followed, by up to this factor a sample.
+/// A scrape's seconds count for at most this many times what the fit so far expects of its
+/// requests (and at least its inverse). vLLM's prefill time runs from first scheduled to
+/// first token (`first_token_ts - scheduled_ts`, read in vLLM 0.32.0), so a request caught
+/// mid-prefill by a stall (a frozen process, a paused host) reports the stall as prefill:
+/// unbounded, one such sample can rank a replica so slow that it gets no traffic, and so
+/// no sample to correct it. A real change of speed is still followed, by up to this
+/// factor a sample.
 const MAX_SAMPLE_SURPRISE: f64 = 8.0;
 
 /// Speeds are kept within these bounds: an instant replica (the emulator at time scale

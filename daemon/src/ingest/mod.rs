@@ -346,17 +346,16 @@ impl Follower<'_> {
                         .restarts
                         .get_or_create(&self.endpoint.label)
                         .inc();
-                    // A restarted replica caches nothing, and its stream is replayed from
-                    // 0: what the index missed before went with the old process. A gap in
-                    // that replay flags it again.
-                    if self.replay_url.is_some() {
-                        self.endpoint.status.lock().incomplete = None;
-                        self.daemon
-                            .metrics
-                            .incomplete
-                            .get_or_create(&self.endpoint.label)
-                            .set(0);
+                }
+                Action::Complete => {
+                    if self.endpoint.status.lock().incomplete.take().is_some() {
+                        info!(endpoint = %self.endpoint.spec.endpoint, "index whole again: rebuilt from the replica's first batch");
                     }
+                    self.daemon
+                        .metrics
+                        .incomplete
+                        .get_or_create(&self.endpoint.label)
+                        .set(0);
                 }
                 Action::Incomplete(reason) => {
                     warn!(endpoint = %self.endpoint.spec.endpoint, "index incomplete: {reason}");

@@ -26,10 +26,18 @@ pub enum Action {
     Purge,
     /// Some events are lost for good: the index for this endpoint is incomplete.
     Incomplete(String),
+    /// The index was emptied and rebuilt by a replay from seq 0 that lost nothing: it
+    /// holds all the replica published, whatever was lost before.
+    Complete,
 }
 
 struct Replay {
     from: u64,
+    /// The index was emptied for this replay (a restart, a re-keying), so one that loses
+    /// nothing makes it whole.
+    rebuilds: bool,
+    /// Something was lost during it.
+    lost: bool,
     held: VecDeque<(u64, Vec<u8>)>,
     saw_batch: bool,
     /// After a reconnect: the fingerprint the batch at `from` must have if the publisher is
@@ -70,6 +78,8 @@ impl Sequencer {
         let held = self.replay.take().map(|r| r.held).unwrap_or_default();
         self.replay = Some(Replay {
             from,
+            rebuilds: false,
+            lost: false,
             held,
             saw_batch: false,
             verify: None,
@@ -100,9 +110,17 @@ impl Sequencer {
     /// The publisher turned out to be a new process: forget it all and replay from 0.
     fn restarted(&mut self, actions: &mut Vec<Action>) {
         actions.push(Action::Purge);
-        self.next = None;
         self.last_fingerprint = None;
+        self.rebuild(actions);
+    }
+
+    /// Replays from 0 into an emptied index.
+    fn rebuild(&mut self, actions: &mut Vec<Action>) {
+        self.next = None;
         self.start_replay(0, actions);
+        if let Some(replay) = &mut self.replay {
+            replay.rebuilds = true;
+        }
     }
 
     /// Everything applied so far was purged (the endpoint turned out to need re-keying):
@@ -111,7 +129,7 @@ impl Sequencer {
         let mut actions = Vec::new();
         self.next = None;
         if self.has_replay {
-            self.start_replay(0, &mut actions);
+            self.rebuild(&mut actions);
         } else {
             actions.push(Action::Incomplete(
                 "blocks published before re-keying began cannot be rebuilt without a replay endpoint"
@@ -136,6 +154,7 @@ impl Sequencer {
         if let Some(replay) = &mut self.replay {
             if replay.held.len() >= MAX_HELD {
                 replay.held.pop_front();
+                replay.lost = true;
                 actions.push(Action::Incomplete(format!(
                     "more than {MAX_HELD} live batches arrived during a replay"
                 )));
@@ -208,6 +227,7 @@ impl Sequencer {
             return actions;
         }
         if first && seq > replay.from {
+            replay.lost = true;
             actions.push(Action::Incomplete(format!(
                 "the replica's replay buffer no longer holds batches {}..{seq}",
                 replay.from
@@ -218,6 +238,7 @@ impl Sequencer {
             return actions;
         }
         if !first && seq > next && self.next.is_some() {
+            replay.lost = true;
             actions.push(Action::Incomplete(format!(
                 "replay skipped batches {next}..{seq}"
             )));
@@ -258,6 +279,10 @@ impl Sequencer {
                 }
                 _ => self.apply(seq, payload, &mut actions),
             }
+        }
+        let lost = replay.lost || actions.iter().any(|a| matches!(a, Action::Incomplete(_)));
+        if replay.rebuilds && !lost {
+            actions.push(Action::Complete);
         }
         actions
     }
@@ -343,6 +368,38 @@ mod tests {
         let gap = s.on_live(7, vec![]);
         assert!(incomplete(&gap));
         assert_eq!(applied(&gap), vec![7]);
+    }
+
+    #[test]
+    fn a_rebuild_from_zero_that_loses_nothing_makes_an_incomplete_index_whole() {
+        let mut s = Sequencer::new(true);
+        s.on_connect();
+        // The replica's buffer no longer held batches 0..5 when the daemon connected.
+        let mut actions = s.on_replay_batch(5, vec![5]);
+        actions.extend(s.on_replay_end(false));
+        assert!(incomplete(&actions));
+        assert!(!actions.contains(&Action::Complete));
+        // It restarts: seq from 0, and its replay holds everything.
+        let mut actions = s.on_live(0, vec![0]);
+        assert_eq!(actions, vec![Action::Purge, Action::RequestReplay(0)]);
+        actions.extend(s.on_replay_batch(0, vec![0]));
+        actions.extend(s.on_replay_batch(1, vec![1]));
+        actions.extend(s.on_replay_end(false));
+        assert_eq!(applied(&actions), vec![0, 1]);
+        assert_eq!(actions.last(), Some(&Action::Complete));
+        // A rebuild whose replay has lost its first batches stays incomplete.
+        let mut actions = s.resync();
+        actions.extend(s.on_replay_batch(1, vec![1]));
+        actions.extend(s.on_replay_end(false));
+        assert!(incomplete(&actions));
+        assert!(!actions.contains(&Action::Complete));
+        // Nor does a replay that is not a rebuild (a live gap) claim the index is whole.
+        let mut actions = s.on_live(3, vec![3]);
+        actions.extend(s.on_replay_batch(2, vec![2]));
+        actions.extend(s.on_replay_batch(3, vec![3]));
+        actions.extend(s.on_replay_end(false));
+        assert_eq!(applied(&actions), vec![2, 3]);
+        assert!(!actions.contains(&Action::Complete));
     }
 
     #[test]

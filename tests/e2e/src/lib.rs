@@ -529,6 +529,23 @@ impl Stack {
         self.wait_every_endpoint("every replica scraped", |e| !e["status"]["load"].is_null())
     }
 
+    /// What kvaffined's `/v1/endpoints` lists, one object per replica stream; empty when
+    /// it does not answer.
+    pub fn endpoints(&self) -> Vec<Value> {
+        let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
+        serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["endpoints"].as_array().cloned())
+            .unwrap_or_default()
+    }
+
+    /// `/v1/endpoints`' entry for the replica at `endpoint`.
+    pub fn endpoint(&self, endpoint: &str) -> Option<Value> {
+        self.endpoints()
+            .into_iter()
+            .find(|e| e["endpoint"] == endpoint)
+    }
+
     /// Waits until `holds` for every endpoint `/v1/endpoints` lists.
     fn wait_every_endpoint(
         &self,
@@ -536,12 +553,8 @@ impl Stack {
         holds: impl Fn(&Value) -> bool,
     ) -> anyhow::Result<()> {
         poll(what, Duration::from_secs(10), || {
-            let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
-            serde_json::from_str::<Value>(&text).is_ok_and(|v| {
-                v["endpoints"]
-                    .as_array()
-                    .is_some_and(|all| all.iter().all(&holds))
-            })
+            let all = self.endpoints();
+            !all.is_empty() && all.iter().all(&holds)
         })
     }
 
@@ -619,14 +632,8 @@ impl Stack {
             "kvaffined sees the frozen replica",
             Duration::from_secs(15),
             || {
-                let (_, text) = http(&self.daemon_addr, "GET", "/v1/endpoints", "");
-                serde_json::from_str::<Value>(&text).is_ok_and(|v| {
-                    v["endpoints"].as_array().is_some_and(|all| {
-                        all.iter().any(|e| {
-                            e["endpoint"] == frozen && !e["status"]["scrape_error"].is_null()
-                        })
-                    })
-                })
+                self.endpoint(frozen)
+                    .is_some_and(|e| !e["status"]["scrape_error"].is_null())
             },
         )?;
         // Each of Envoy's two workers learns the hint from its first answer after the

@@ -349,7 +349,7 @@ impl VllmProcess {
 
     /// Waits for `/health`; on failure names the replica and shows its log's tail. A
     /// GPT-OSS replica also renders one chat: vLLM loads the harmony encoding at its first
-    /// one (504 ms on an AMD EPYC where later renders took 7 ms), longer than the filter's
+    /// one (0.32.0 on an AMD EPYC: 504 ms, later renders 7 ms), longer than the filter's
     /// callout deadline on a slower machine, whose first routed chat then went by text.
     pub fn wait_healthy(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + self.spec.startup_deadline;

@@ -426,11 +426,10 @@ fn chat_prompt(reply: &Reply) -> u64 {
         .unwrap_or(0)
 }
 
-/// `x-kvaffine-matched-blocks`; an error when the filter did not set it, so that no
-/// comparison with it passes on a missing header.
-/// The blocks kvaffine predicted vLLM would serve from cache. Only a request keyed from
-/// vLLM's own tokens carries a prediction: one routed by text (its tokenizer callout
-/// failed or passed its deadline) is an error here, named as such.
+/// `x-kvaffine-matched-blocks`, the blocks kvaffine predicted vLLM would serve from cache;
+/// an error when the filter did not set it, so that no comparison with it passes on a
+/// missing header, and when the request was keyed by text (its tokenizer callout failed
+/// or passed its deadline), which predicts nothing of vLLM's cache.
 fn matched(reply: &Reply) -> anyhow::Result<u64> {
     let mode = reply.header("x-kvaffine-mode");
     ensure(mode == Some("precise"), || {
@@ -1810,12 +1809,8 @@ fn unique_prompt(tokens: usize) -> Vec<u32> {
 fn settle(stack: &Stack, replica: &VllmProcess, events: &Events) -> anyhow::Result<usize> {
     let (seq, removed) = publish_marker(replica, events)?;
     let applied = || {
-        let reply = send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"");
-        reply.json()["endpoints"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|e| e["endpoint"] == replica.http.as_str())
+        stack
+            .endpoint(&replica.http)
             .and_then(|e| e["status"]["next_seq"].as_u64())
             .is_some_and(|next| next > seq)
     };
@@ -2081,7 +2076,8 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
                 // The fault lasts past the per-try timeout of a stream sent to it before
                 // kvaffined noticed (Envoy then retries it elsewhere), and while the other
                 // replica serves more conversations. Counting requests alone made it last
-                // 2.8 s on a fast machine (no timeout met) and far longer on a slow one.
+                // 2.8 s on a fast machine (real vLLM 0.32.0; no timeout met) and far longer
+                // on a slow one.
                 std::thread::sleep(
                     Duration::from_millis(kvaffine_e2e::STREAM_HEADERS_TIMEOUT_MS)
                         + Duration::from_secs(2),
@@ -2143,11 +2139,9 @@ fn replica_goes_away(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
 
 /// The replicas whose index kvaffined knows to be incomplete.
 fn incomplete_endpoints(stack: &Stack) -> Vec<String> {
-    let reply = send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"");
-    reply.json()["endpoints"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    stack
+        .endpoints()
+        .iter()
         .filter(|e| !e["status"]["incomplete"].is_null())
         .filter_map(|e| e["endpoint"].as_str().map(str::to_owned))
         .collect()
@@ -2155,16 +2149,10 @@ fn incomplete_endpoints(stack: &Stack) -> Vec<String> {
 
 /// What kvaffined's `/v1/endpoints` says of `replica`'s prefill speed and status.
 fn victim_prefill(stack: &Stack, replica: &str) -> String {
-    let reply = send(&stack.daemon_addr, "GET", "/v1/endpoints", &[], b"");
-    reply.json()["endpoints"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|e| e["endpoint"] == replica)
-        .map_or_else(
-            || format!("not listed ({} {})", reply.status, reply.body),
-            |e| format!("{} {}", e["prefill"], e["status"]),
-        )
+    stack.endpoint(replica).map_or_else(
+        || "not listed in /v1/endpoints".to_owned(),
+        |e| format!("{} {}", e["prefill"], e["status"]),
+    )
 }
 
 /// A replica frozen (`SIGSTOP`) is not asked to tokenize once kvaffined has noticed, and

@@ -5,11 +5,9 @@
 //!
 //! Percentiles come from timing every operation (criterion reports means and medians,
 //! not p99), so this is a plain binary.
-#![allow(unsafe_code)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvaffine_core::BlockKey;
@@ -18,67 +16,19 @@ use kvaffine_core::events::{
 };
 use kvaffine_core::protocol::{Booking, LookupRequest, Query};
 use kvaffine_core::{HashAlgo, KeyConfig, KeyExtras, VllmCompat};
-use kvaffined::config::Settings;
 use kvaffined::hybrid::Rule;
 use kvaffined::index::{GPU, PrefixIndex, Slot};
 use kvaffined::ingest::Applier;
-use kvaffined::metrics::EndpointLabel;
-use kvaffined::state::{Daemon, Endpoint, EndpointStatus, ScrapedLoad};
-use parking_lot::Mutex;
+use kvaffined::state::Daemon;
 
-/// Counts live heap bytes, so index memory is measured, not estimated.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: defers every call to the system allocator unchanged; only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+mod common;
 
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: common::Counting = common::Counting;
+use common::{BLOCK_SIZE, LIVE, Rng, endpoint, percentile, settings, us};
 
 const ENDPOINTS: usize = 8;
 const KEYS_PER_LOOKUP: usize = 128;
-const BLOCK_SIZE: usize = 64;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
 
 /// 1 M blocks: chains of 128 keys, each chain on one endpoint.
 fn fill(index: &mut PrefixIndex, rng: &mut Rng, blocks: usize) -> Vec<Vec<u64>> {
@@ -91,53 +41,11 @@ fn fill(index: &mut PrefixIndex, rng: &mut Rng, blocks: usize) -> Vec<Vec<u64>> 
     chains
 }
 
-fn settings() -> Settings {
-    Settings {
-        hash_seed: None,
-        keys: KeyConfig::new(HashAlgo::Sha256Cbor, BLOCK_SIZE, None, VllmCompat::V0_31).unwrap(),
-        policy: Default::default(),
-        topic: String::new(),
-        lora_paths: Default::default(),
-        max_keys: 16_384,
-        max_inflight_lookups: 1024,
-        max_entries: 100_000_000,
-        max_event_message_bytes: 64 << 20,
-        booking_ttl: Duration::from_secs(2),
-        // Every pick booked, as the concurrency row says: no bound.
-        max_booked_keys: usize::MAX,
-        scrape_interval: Duration::from_millis(500),
-        speed_flags: Default::default(),
-        replay_timeout: Duration::from_secs(5),
-    }
-}
-
 fn daemon_with_index(rng: &mut Rng) -> (Arc<Daemon>, Vec<Vec<u64>>) {
     let daemon = Arc::new(Daemon::new(settings()));
     let chains = fill(&mut daemon.index.write(), rng, 1_000_000);
     for n in 0..ENDPOINTS {
-        let name = format!("10.0.0.{n}:8000");
-        daemon.endpoints.write().push(Arc::new(Endpoint {
-            spec: kvaffined::config::EndpointSpec {
-                endpoint: name.clone(),
-                events: format!("tcp://10.0.0.{n}:5557"),
-                replay: None,
-                rank: 0,
-            },
-            slot: Slot::new(n).unwrap(),
-            label: EndpointLabel { endpoint: name },
-            status: Mutex::new(EndpointStatus {
-                synced: true,
-                alignment: "aligned",
-                load: Some(ScrapedLoad {
-                    running: n as u32,
-                    waiting: 0,
-                    kv_cache_usage: 0.5,
-                }),
-                ..EndpointStatus::default()
-            }),
-            stop: AtomicBool::new(true),
-            ingest: Mutex::new(None),
-        }));
+        daemon.endpoints.write().push(endpoint(n));
     }
     (daemon, chains)
 }
@@ -161,7 +69,7 @@ fn lookups(out: &mut String) {
         let mut sink = 0u32;
         for q in &queries {
             let start = Instant::now();
-            sink ^= index.longest_prefixes(GPU, 0, q)[0];
+            sink ^= index.longest_prefixes(GPU, 0, q).get(0);
             times.push(start.elapsed());
         }
         std::hint::black_box(sink);

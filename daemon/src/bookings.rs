@@ -16,7 +16,7 @@ use std::time::Instant;
 use foldhash::fast::RandomState;
 use kvaffine_core::BlockKey;
 
-use crate::index::{MAX_SLOTS, Slot};
+use crate::slots::{HeldBy, Slot, SlotSet};
 use crate::speed::PrefillQueue;
 
 struct Booking {
@@ -53,34 +53,72 @@ impl Counted {
         }
     }
 
-    fn slots(&self, key: u64) -> u64 {
-        self.0.get(&key).map_or(0, |counts| {
-            counts
-                .iter()
-                .fold(0, |bits, (slot, _)| bits | 1 << slot.index())
-        })
+    fn get(&self, key: u64) -> BookedBy<'_> {
+        BookedBy(self.0.get(&key).map_or(&[], Vec::as_slice))
+    }
+
+    fn holds(&self, key: u64, slot: Slot) -> bool {
+        self.0
+            .get(&key)
+            .is_some_and(|counts| counts.iter().any(|(s, _)| *s == slot))
+    }
+}
+
+/// The slots holding live bookings of one key, as a walk reads them.
+pub struct BookedBy<'a>(&'a [(Slot, u32)]);
+
+impl HeldBy for BookedBy<'_> {
+    fn low(&self) -> u64 {
+        self.0
+            .iter()
+            .filter(|(s, _)| s.index() < 64)
+            .fold(0, |bits, (s, _)| bits | 1 << s.index())
+    }
+
+    fn contains(&self, slot: Slot) -> bool {
+        self.0.iter().any(|(s, _)| *s == slot)
+    }
+
+    fn add_to(&self, set: &mut SlotSet) {
+        for (slot, _) in self.0 {
+            set.insert(*slot);
+        }
     }
 }
 
 /// The prefill queued on each replica by picks: it drains at the replica's speed, and a
 /// pick is done at once when the replica's events store its last block.
 pub struct Backlogs {
+    /// Per slot, grown to the highest slot used: a lookup reads every queue.
     queues: Vec<PrefillQueue>,
-    tokens_per_second: [f64; MAX_SLOTS],
+    tokens_per_second: Vec<f64>,
+    /// The speed of a slot not yet told its own.
+    unmeasured: f64,
 }
 
 impl Backlogs {
     /// Empty queues, every replica prefilling at `tokens_per_second` until told otherwise.
     pub fn new(tokens_per_second: f64) -> Self {
         Self {
-            queues: vec![PrefillQueue::default(); MAX_SLOTS],
-            tokens_per_second: [tokens_per_second; MAX_SLOTS],
+            queues: Vec::new(),
+            tokens_per_second: Vec::new(),
+            unmeasured: tokens_per_second,
+        }
+    }
+
+    /// Makes room for `slot`'s queue and speed.
+    fn grow(&mut self, slot: Slot) {
+        let n = slot.index() + 1;
+        if self.queues.len() < n {
+            self.queues.resize(n, PrefillQueue::default());
+            self.tokens_per_second.resize(n, self.unmeasured);
         }
     }
 
     /// `slot`'s replica prefills at `tokens_per_second` from `now` on (what it queued
     /// drained at the old speed until then).
     pub fn set_speed(&mut self, slot: Slot, tokens_per_second: f64, now: Instant) {
+        self.grow(slot);
         let n = slot.index();
         if let (Some(queue), Some(rate)) =
             (self.queues.get_mut(n), self.tokens_per_second.get_mut(n))
@@ -94,6 +132,7 @@ impl Backlogs {
 
     /// A pick at `now` adds `work` to `slot`'s queue, done once `slot` stores `last_key`.
     pub fn add(&mut self, slot: Slot, work: u64, last_key: Option<u64>, now: Instant) {
+        self.grow(slot);
         let n = slot.index();
         if let (Some(queue), Some(&rate)) = (self.queues.get_mut(n), self.tokens_per_second.get(n))
         {
@@ -110,14 +149,14 @@ impl Backlogs {
         }
     }
 
-    /// Prefill still queued per slot at `now`, in uncached-token equivalents, for a
+    /// Prefill still queued per slot (by slot number) at `now`, in uncached-token equivalents, for a
     /// request of block keys `own`. Picks whose last block is one of `own` are left out:
     /// they prefill a prefix of this request, work it needs wherever it goes (queued
     /// already on their replica, done again anywhere else), so they must not push it off
     /// that replica. Counted, a turn 1 whose events had not arrived yet sent its
     /// continuation to a cold replica whenever recomputing it looked a hair cheaper than
     /// waiting for turn 1 plus reading its cache.
-    pub fn pending_tokens(&self, now: Instant, own: &[BlockKey]) -> [u64; MAX_SLOTS] {
+    pub fn pending_tokens(&self, now: Instant, own: &[BlockKey]) -> Vec<u64> {
         // The queued picks' last keys that are the request's own: the queues hold a few
         // picks, a request thousands of keys, so the request is scanned once against
         // them rather than hashed whole on every lookup.
@@ -134,15 +173,11 @@ impl Backlogs {
                 .filter(|k| queued.contains(k))
                 .collect()
         };
-        let mut out = [0u64; MAX_SLOTS];
-        for ((out, queue), &rate) in out
-            .iter_mut()
-            .zip(&self.queues)
+        self.queues
+            .iter()
             .zip(&self.tokens_per_second)
-        {
-            *out = queue.pending(now, rate, |key| own.contains(&key)) as u64;
-        }
-        out
+            .map(|(queue, &rate)| queue.pending(now, rate, |key| own.contains(&key)) as u64)
+            .collect()
     }
 
     /// Empties `slot`'s queue (the endpoint was purged or removed).
@@ -311,14 +346,14 @@ impl Bookings {
         }
     }
 
-    /// Slots holding a live booking of `key`.
-    pub fn holders(&self, key: u64) -> u64 {
-        self.holders.slots(key)
+    /// The slots holding a live booking of `key`.
+    pub fn holders(&self, key: u64) -> BookedBy<'_> {
+        self.holders.get(key)
     }
 
-    /// Slots holding a live booking of `key` in a sliding window.
-    pub fn window_holders(&self, key: u64) -> u64 {
-        self.windows.slots(key)
+    /// Whether `slot` holds a live booking of `key` in a sliding window.
+    pub fn window_holds(&self, key: u64, slot: Slot) -> bool {
+        self.windows.holds(key, slot)
     }
 
     /// Keys held by live bookings (expired ones count until a lookup drops them).
@@ -355,6 +390,13 @@ mod tests {
         k.iter().copied().map(BlockKey).collect()
     }
 
+    /// The slots holding a booking of `key`, by number.
+    fn held(bookings: &Bookings, key: u64) -> Vec<usize> {
+        let mut set = SlotSet::default();
+        bookings.holders(key).add_to(&mut set);
+        set.iter().map(Slot::index).collect()
+    }
+
     #[test]
     fn bookings_hold_until_confirmed_or_expired() {
         let (a, b) = (Slot::new(0).unwrap(), Slot::new(3).unwrap());
@@ -363,17 +405,17 @@ mod tests {
         let mut bookings = Bookings::new(100);
         bookings.book(a, &keys(&[1, 2, 3]), &[], now + ttl);
         bookings.book(b, &keys(&[1, 2]), &[], now + ttl);
-        assert_eq!(bookings.holders(1), 0b1001);
-        assert_eq!(bookings.holders(3), 0b0001);
+        assert_eq!(held(&bookings, 1), [0, 3]);
+        assert_eq!(held(&bookings, 3), [0]);
         bookings.confirm(a, &[2]);
-        assert_eq!(bookings.holders(3), 0b0001, "2 is not a's last key");
+        assert_eq!(held(&bookings, 3), [0], "2 is not a's last key");
         bookings.confirm(a, &[3]);
-        assert_eq!(bookings.holders(1), 0b1000);
+        assert_eq!(held(&bookings, 1), [3]);
         assert!(!bookings.has_expired(now));
         assert!(bookings.has_expired(now + ttl));
         bookings.expire(now + ttl);
         assert!(bookings.is_empty() && !bookings.has_expired(now + ttl));
-        assert_eq!(bookings.holders(1), 0);
+        assert!(held(&bookings, 1).is_empty());
     }
 
     #[test]
@@ -387,14 +429,14 @@ mod tests {
             &[1..2, 3..5, 4..9],
             now + Duration::from_secs(1),
         );
-        assert_eq!(bookings.holders(1), 0b100);
+        assert_eq!(held(&bookings, 1), [2]);
         assert_eq!(
-            [1, 2, 3, 4, 5].map(|k| bookings.window_holders(k)),
-            [0, 0b100, 0, 0b100, 0b100],
+            [1, 2, 3, 4, 5].map(|k| bookings.window_holds(k, a)),
+            [false, true, false, true, true],
             "a window past the keys books nothing"
         );
         bookings.confirm(a, &[5]);
-        assert_eq!(bookings.window_holders(2), 0);
+        assert!(!bookings.window_holds(2, a));
     }
 
     #[test]
@@ -406,8 +448,8 @@ mod tests {
         bookings.book(a, &keys(&[1, 2]), &[], now + Duration::from_secs(3));
         bookings.expire(now + Duration::from_secs(2));
         assert_eq!(
-            bookings.holders(2),
-            0b1,
+            held(&bookings, 2),
+            [0],
             "the second booking replaced the first"
         );
         bookings.expire(now + Duration::from_secs(3));
@@ -421,7 +463,7 @@ mod tests {
         let mut bookings = Bookings::new(5);
         assert!(bookings.book(a, &keys(&[1, 2, 3]), &[], now + Duration::from_secs(1)));
         assert!(!bookings.book(a, &keys(&[4, 5, 6]), &[], now + Duration::from_secs(1)));
-        assert_eq!(bookings.holders(4), 0);
+        assert!(held(&bookings, 4).is_empty());
         // Rebooking the same prefix replaces it rather than adding to it.
         assert!(bookings.book(a, &keys(&[1, 2, 3]), &[], now + Duration::from_secs(2)));
         bookings.expire(now + Duration::from_secs(2));

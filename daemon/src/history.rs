@@ -8,16 +8,18 @@ use std::collections::{HashMap, VecDeque};
 use foldhash::fast::RandomState;
 use kvaffine_core::approximate::TextKey;
 
-use crate::index::{MAX_SLOTS, Slot, longest_prefixes_by};
+use crate::slots::{Depths, HolderView, Holders, Slot, Spill, longest_prefixes_by};
 
 struct Entry {
-    holders: u64,
+    holders: Holders,
     stamp: u64,
 }
 
 /// Text-prefix keys and the slots they were routed to, bounded to `capacity` keys.
 pub struct History {
     entries: HashMap<u64, Entry, RandomState>,
+    /// The holder sets too large to pack in an entry.
+    spill: Spill,
     /// Keys in the order they were last touched; stale positions are skipped on eviction.
     order: VecDeque<(u64, u64)>,
     stamp: u64,
@@ -29,6 +31,7 @@ impl History {
     pub fn new(capacity: usize) -> Self {
         Self {
             entries: HashMap::default(),
+            spill: Spill::default(),
             order: VecDeque::new(),
             stamp: 0,
             capacity: capacity.max(1),
@@ -40,10 +43,10 @@ impl History {
         for &TextKey(key) in keys {
             self.stamp += 1;
             let entry = self.entries.entry(key).or_insert(Entry {
-                holders: 0,
+                holders: Holders::default(),
                 stamp: 0,
             });
-            entry.holders |= 1 << slot.index();
+            self.spill.insert(&mut entry.holders, slot);
             entry.stamp = self.stamp;
             self.order.push_back((key, self.stamp));
         }
@@ -52,23 +55,31 @@ impl History {
                 break;
             };
             if self.entries.get(&key).is_some_and(|e| e.stamp == stamp) {
-                self.entries.remove(&key);
+                if let Some(gone) = self.entries.remove(&key) {
+                    self.spill.release(gone.holders);
+                }
             }
         }
     }
 
     /// For every slot, how many leading `keys` were routed to it.
-    pub fn longest_prefixes(&self, keys: &[TextKey]) -> [u32; MAX_SLOTS] {
-        longest_prefixes_by(keys.iter().map(|k| k.0), |key| {
-            self.entries.get(&key).map_or(0, |e| e.holders)
+    pub fn longest_prefixes(&self, keys: &[TextKey]) -> Depths {
+        longest_prefixes_by(keys.iter().map(|k| k.0), |key| HolderView {
+            holders: self
+                .entries
+                .get(&key)
+                .map(|e| e.holders)
+                .unwrap_or_default(),
+            spill: &self.spill,
         })
     }
 
     /// Forgets `slot` (its endpoint was removed).
     pub fn forget_slot(&mut self, slot: Slot) {
+        let spill = &mut self.spill;
         self.entries.retain(|_, e| {
-            e.holders &= !(1 << slot.index());
-            e.holders != 0
+            spill.remove(&mut e.holders, slot);
+            !e.holders.is_empty()
         });
     }
 }
@@ -85,11 +96,11 @@ mod tests {
         history.record(a, &keys(&[1, 2, 3]));
         history.record(b, &keys(&[1, 9]));
         let m = history.longest_prefixes(&keys(&[1, 2, 3]));
-        assert_eq!((m[0], m[1]), (3, 1));
+        assert_eq!((m.get(0), m.get(1)), (3, 1));
         // Touching 1 and 9 again, then a new key, evicts 2 (least recently touched).
         history.record(b, &keys(&[1, 9, 10]));
-        assert_eq!(history.longest_prefixes(&keys(&[1, 2, 3]))[0], 1);
+        assert_eq!(history.longest_prefixes(&keys(&[1, 2, 3])).get(0), 1);
         history.forget_slot(b);
-        assert_eq!(history.longest_prefixes(&keys(&[1, 9]))[1], 0);
+        assert_eq!(history.longest_prefixes(&keys(&[1, 9])).get(1), 0);
     }
 }

@@ -1,10 +1,12 @@
 //! The prefix index: which endpoint slots hold which block keys, per storage tier and
 //! KV-cache group.
 //!
-//! One hash map per (tier, group) from block key to a 64-bit set of endpoint slots. Block
-//! keys are truncated SHA-256 or XXH3 digests, so they spread evenly under a cheap hasher.
-//! Memory per key is one 16-byte entry plus hashbrown's control byte and load-factor slack,
-//! shared by every endpoint holding the block (figures in `docs/benchmarks/daemon.md`).
+//! One hash map per (tier, group) from block key to its holders, packed in 64 bits
+//! ([`Holders`]: a bitmask in a small fleet, a bitmap aside for a block many of a large
+//! fleet hold). Block keys are truncated SHA-256 or XXH3 digests, so they spread evenly
+//! under a cheap hasher. Memory per key is one 16-byte entry plus hashbrown's control byte
+//! and load-factor slack, shared by every endpoint holding the block (figures in
+//! `docs/benchmarks/daemon.md` and `docs/benchmarks/scale.md`).
 //! A hybrid-attention model (sliding-window and full-attention layers) publishes each
 //! group's blocks apart, so each group has its own table; which group means what is the
 //! endpoint's [layout](crate::hybrid::Layout), read where the tables are asked.
@@ -15,48 +17,27 @@ use std::collections::{BTreeMap, HashMap};
 use foldhash::fast::RandomState;
 
 use crate::salts::SaltIndex;
-
-/// Endpoint slots per index: one bit each in a block's holder set.
-pub const MAX_SLOTS: usize = 64;
+pub use crate::slots::{Depths, MAX_SLOTS, Slot, longest_prefixes_by};
+use crate::slots::{HolderView, Holders, NO_SPILL, Spill};
 
 /// The tier vLLM's own GPU block pool reports, and the one lookups rank on.
 pub const GPU: &str = "GPU";
-
-/// An endpoint's position in the holder sets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Slot(u8);
-
-impl Slot {
-    /// The slot numbered `n`, if within [`MAX_SLOTS`].
-    pub fn new(n: usize) -> Option<Self> {
-        (n < MAX_SLOTS).then_some(Self(n as u8))
-    }
-
-    /// Its number.
-    pub fn index(self) -> usize {
-        usize::from(self.0)
-    }
-
-    fn bit(self) -> u64 {
-        1u64 << self.0
-    }
-}
 
 /// A KV-cache group's number, as vLLM's events give it (`group_idx`; 0 for a model with
 /// one group, and for versions that do not say).
 pub type Group = u32;
 
-type Holders = HashMap<u64, u64, RandomState>;
-
 /// One (tier, group)'s blocks.
 #[derive(Debug, Default)]
 struct Table {
-    holders: Holders,
+    holders: HashMap<u64, Holders, RandomState>,
+    /// The holder sets too large to pack in the table.
+    spill: Spill,
     /// Copies of a (block, slot) beyond the first. vLLM can hold the same content in
     /// several physical blocks (a hybrid miss recomputes a prefix it already holds; two
     /// requests can compute one block at once), each stored and evicted with its own event:
     /// the slot holds the block until the last copy goes.
-    extra_copies: HashMap<(u64, u8), u32, RandomState>,
+    extra_copies: HashMap<(u64, Slot), u32, RandomState>,
 }
 
 /// What a store did: entries are (block, slot) pairs.
@@ -78,7 +59,7 @@ pub struct PrefixIndex {
     entries: usize,
     max_entries: usize,
     /// Entries held per slot.
-    by_slot: [usize; MAX_SLOTS],
+    by_slot: Vec<usize>,
     /// The most one slot may hold: `max_entries` over the slots in use.
     share: usize,
     /// The salts of the first blocks held, kept with the blocks: removals and purges
@@ -93,7 +74,7 @@ impl PrefixIndex {
             tiers: HashMap::new(),
             entries: 0,
             max_entries,
-            by_slot: [0; MAX_SLOTS],
+            by_slot: vec![0; MAX_SLOTS],
             share: max_entries,
             salts: SaltIndex::default(),
         }
@@ -117,21 +98,23 @@ impl PrefixIndex {
         let Some(held) = self.by_slot.get_mut(slot.index()) else {
             return outcome;
         };
-        let holders = &mut table.holders;
+        let (holders, spill) = (&mut table.holders, &mut table.spill);
         for &key in keys {
             let full = self.entries >= self.max_entries || *held >= self.share;
             match holders.entry(key) {
-                Entry::Occupied(set) if *set.get() & slot.bit() != 0 => {
-                    *table.extra_copies.entry((key, slot.0)).or_default() += 1;
+                Entry::Occupied(set) if spill.contains(*set.get(), slot) => {
+                    *table.extra_copies.entry((key, slot)).or_default() += 1;
                     continue;
                 }
                 _ if full => {
                     outcome.dropped += 1;
                     continue;
                 }
-                Entry::Occupied(mut set) => *set.get_mut() |= slot.bit(),
+                Entry::Occupied(mut set) => {
+                    spill.insert(set.get_mut(), slot);
+                }
                 Entry::Vacant(set) => {
-                    set.insert(slot.bit());
+                    spill.insert(set.insert(Holders::default()), slot);
                 }
             }
             self.entries += 1;
@@ -155,11 +138,15 @@ impl PrefixIndex {
         let Some(table) = self.tiers.get_mut(medium).and_then(|g| g.get_mut(&group)) else {
             return 0;
         };
-        let (holders, copies) = (&mut table.holders, &mut table.extra_copies);
+        let (holders, copies, spill) = (
+            &mut table.holders,
+            &mut table.extra_copies,
+            &mut table.spill,
+        );
         let mut removed = 0;
         for key in keys {
             if !copies.is_empty() {
-                if let Entry::Occupied(mut extra) = copies.entry((*key, slot.0)) {
+                if let Entry::Occupied(mut extra) = copies.entry((*key, slot)) {
                     *extra.get_mut() -= 1;
                     if *extra.get() == 0 {
                         extra.remove();
@@ -167,12 +154,11 @@ impl PrefixIndex {
                     continue;
                 }
             }
-            if let Some(set) = holders.get_mut(key) {
-                if *set & slot.bit() != 0 {
-                    *set &= !slot.bit();
+            if let Entry::Occupied(mut set) = holders.entry(*key) {
+                if spill.remove(set.get_mut(), slot) {
                     removed += 1;
-                    if *set == 0 {
-                        holders.remove(key);
+                    if set.get().is_empty() {
+                        set.remove();
                     }
                 }
             }
@@ -190,13 +176,13 @@ impl PrefixIndex {
         self.salts.purge(slot);
         let mut removed = 0;
         for table in self.tiers.values_mut().flat_map(BTreeMap::values_mut) {
-            table.extra_copies.retain(|(_, s), _| *s != slot.0);
+            table.extra_copies.retain(|(_, s), _| *s != slot);
+            let spill = &mut table.spill;
             table.holders.retain(|_, set| {
-                if *set & slot.bit() != 0 {
-                    *set &= !slot.bit();
+                if spill.remove(set, slot) {
                     removed += 1;
                 }
-                *set != 0
+                !set.is_empty()
             });
         }
         self.entries -= removed;
@@ -208,19 +194,32 @@ impl PrefixIndex {
 
     /// For every slot, how many of `keys` it holds contiguously from `keys[0]` in
     /// `medium`'s `group`.
-    pub fn longest_prefixes(&self, medium: &str, group: Group, keys: &[u64]) -> [u32; MAX_SLOTS] {
+    pub fn longest_prefixes(&self, medium: &str, group: Group, keys: &[u64]) -> Depths {
         longest_prefixes_by(keys.iter().copied(), self.tier(medium, group))
     }
 
-    /// The holder sets of `medium`'s `group`, for walks that add holders of their own.
-    pub fn tier(&self, medium: &str, group: Group) -> impl Fn(u64) -> u64 + '_ {
+    /// The holders of `medium`'s `group`, for walks that add holders of their own.
+    pub fn tier<'a>(&'a self, medium: &str, group: Group) -> impl Fn(u64) -> HolderView<'a> + 'a {
         let table = self.tiers.get(medium).and_then(|g| g.get(&group));
-        move |key| {
-            table
-                .and_then(|t| t.holders.get(&key))
-                .copied()
-                .unwrap_or(0)
+        move |key| match table {
+            Some(t) => HolderView {
+                holders: t.holders.get(&key).copied().unwrap_or_default(),
+                spill: &t.spill,
+            },
+            None => HolderView {
+                holders: Holders::default(),
+                spill: &NO_SPILL,
+            },
         }
+    }
+
+    /// Whether `slot` holds `key` in `medium`'s `group`.
+    pub fn holds(&self, medium: &str, group: Group, key: u64, slot: Slot) -> bool {
+        self.tiers
+            .get(medium)
+            .and_then(|g| g.get(&group))
+            .and_then(|t| Some(t.spill.contains(*t.holders.get(&key)?, slot)))
+            .unwrap_or(false)
     }
 
     /// The tiers that have held blocks.
@@ -247,43 +246,8 @@ impl PrefixIndex {
         self.tiers
             .values()
             .flat_map(BTreeMap::values)
-            .map(|t| bytes(&t.holders) + bytes(&t.extra_copies))
+            .map(|t| bytes(&t.holders) + bytes(&t.extra_copies) + t.spill.bytes())
             .sum()
-    }
-}
-
-/// For every slot, how many of `keys` it holds contiguously from the first, where
-/// `holders(key)` is the set of slots holding `key`: the one walk every index (KV events,
-/// bookings over them, the approximate history) is asked through. One probe per key,
-/// intersecting 64-bit holder sets, stopping when no slot still matches.
-pub fn longest_prefixes_by(
-    keys: impl IntoIterator<Item = u64>,
-    holders: impl Fn(u64) -> u64,
-) -> [u32; MAX_SLOTS] {
-    let mut matched = [0u32; MAX_SLOTS];
-    let mut alive = u64::MAX;
-    let mut depth = 0u32;
-    for key in keys {
-        let here = holders(key) & alive;
-        record(&mut matched, alive & !here, depth);
-        alive = here;
-        if alive == 0 {
-            return matched;
-        }
-        depth += 1;
-    }
-    record(&mut matched, alive, depth);
-    matched
-}
-
-/// Sets `matched[slot] = depth` for every slot in `slots`.
-fn record(matched: &mut [u32; MAX_SLOTS], mut slots: u64, depth: u32) {
-    while slots != 0 {
-        let slot = slots.trailing_zeros() as usize;
-        if let Some(m) = matched.get_mut(slot) {
-            *m = depth;
-        }
-        slots &= slots - 1;
     }
 }
 
@@ -302,17 +266,17 @@ mod tests {
         index.store(slot(1), GPU, 0, &[1, 2, 4]);
         index.store(slot(2), GPU, 0, &[2, 3]);
         let m = index.longest_prefixes(GPU, 0, &[1, 2, 3, 9]);
-        assert_eq!(&m[..4], &[3, 2, 0, 0]);
-        assert_eq!(index.longest_prefixes("CPU", 0, &[1])[0], 0);
-        assert_eq!(index.longest_prefixes(GPU, 0, &[])[0], 0);
+        assert_eq!([0, 1, 2, 3].map(|n| m.get(n)), [3, 2, 0, 0]);
+        assert_eq!(index.longest_prefixes("CPU", 0, &[1]).get(0), 0);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[]).get(0), 0);
     }
 
     #[test]
     fn tiers_are_kept_apart() {
         let mut index = PrefixIndex::new(100);
         index.store(slot(0), "CPU", 0, &[1, 2]);
-        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2])[0], 0);
-        assert_eq!(index.longest_prefixes("CPU", 0, &[1, 2])[0], 2);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2]).get(0), 0);
+        assert_eq!(index.longest_prefixes("CPU", 0, &[1, 2]).get(0), 2);
     }
 
     #[test]
@@ -322,13 +286,11 @@ mod tests {
         index.store(slot(5), GPU, 0, &[1, 2, 3]);
         assert_eq!(index.entries(), 6);
         assert_eq!(index.remove(slot(0), GPU, 0, &[2, 7]), 1);
-        assert_eq!(
-            &index.longest_prefixes(GPU, 0, &[1, 2, 3])[..6],
-            &[1, 0, 0, 0, 0, 3]
-        );
+        let m = index.longest_prefixes(GPU, 0, &[1, 2, 3]);
+        assert_eq!([0, 1, 5].map(|n| m.get(n)), [1, 0, 3]);
         assert_eq!(index.purge(slot(5)), 3);
         assert_eq!(index.entries(), 2);
-        assert_eq!(index.longest_prefixes(GPU, 0, &[1])[5], 0);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1]).get(5), 0);
     }
 
     #[test]
@@ -355,7 +317,7 @@ mod tests {
         let outcome = index.store(slot(0), GPU, 0, &flood);
         assert_eq!((outcome.added, outcome.dropped), (5, 95));
         assert_eq!(index.store(slot(1), GPU, 0, &[1, 2, 3]).added, 3);
-        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2, 3])[1], 3);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2, 3]).get(1), 3);
         assert_eq!(
             (index.slot_entries(slot(0)), index.slot_entries(slot(1))),
             (5, 3)
@@ -375,9 +337,9 @@ mod tests {
         index.store(slot(0), GPU, 1, &[1]);
         assert_eq!(index.entries(), 2);
         assert_eq!(index.remove(slot(0), GPU, 1, &[1]), 0);
-        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2])[0], 2);
+        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2]).get(0), 2);
         assert_eq!(index.remove(slot(0), GPU, 1, &[1]), 1);
-        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2])[0], 0);
+        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2]).get(0), 0);
         index.store(slot(0), GPU, 1, &[2]);
         index.purge(slot(0));
         index.store(slot(0), GPU, 1, &[2]);
@@ -392,33 +354,35 @@ mod tests {
     fn groups_are_kept_apart() {
         let mut index = PrefixIndex::new(100);
         index.store(slot(0), GPU, 1, &[1, 2]);
-        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2])[0], 0);
+        assert_eq!(index.longest_prefixes(GPU, 0, &[1, 2]).get(0), 0);
         assert_eq!(index.remove(slot(0), GPU, 0, &[1]), 0);
-        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2])[0], 2);
+        assert_eq!(index.longest_prefixes(GPU, 1, &[1, 2]).get(0), 2);
     }
 
     #[test]
     fn agrees_with_a_naive_model_on_random_operations() {
         use std::collections::HashMap;
         let mut index = PrefixIndex::new(usize::MAX);
+        // Slots packed as a bitmask, as a list and spilled to a bitmap.
+        let slots = [0, 1, 61, 62, 63, 64, 700, 1023].map(slot);
         // Per slot: copies held of each (group, key).
-        let mut model: Vec<HashMap<(Group, u64), u32>> = vec![HashMap::new(); 4];
+        let mut model: Vec<HashMap<(Group, u64), u32>> = vec![HashMap::new(); slots.len()];
         let mut state = 7u64;
         let mut next = || {
             state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
             state >> 33
         };
-        for _ in 0..5000 {
-            let s = (next() % 4) as usize;
+        for _ in 0..10_000 {
+            let s = (next() % slots.len() as u64) as usize;
             let group = (next() % 2) as Group;
             let keys: Vec<u64> = (0..(next() % 6)).map(|_| next() % 20).collect();
             match next() % 10 {
                 0 => {
-                    index.purge(slot(s));
+                    index.purge(slots[s]);
                     model[s].clear();
                 }
                 1..=4 => {
-                    index.remove(slot(s), GPU, group, &keys);
+                    index.remove(slots[s], GPU, group, &keys);
                     for k in &keys {
                         if let Some(n) = model[s].get_mut(&(group, *k)) {
                             *n -= 1;
@@ -429,7 +393,7 @@ mod tests {
                     }
                 }
                 _ => {
-                    index.store(slot(s), GPU, group, &keys);
+                    index.store(slots[s], GPU, group, &keys);
                     for k in &keys {
                         *model[s].entry((group, *k)).or_default() += 1;
                     }
@@ -437,19 +401,25 @@ mod tests {
             }
             let query: Vec<u64> = (0..(next() % 8)).map(|_| next() % 20).collect();
             let got = index.longest_prefixes(GPU, group, &query);
-            for (slot_n, held) in model.iter().enumerate() {
+            for (s, held) in slots.iter().zip(&model) {
                 let want = query
                     .iter()
                     .take_while(|k| held.contains_key(&(group, **k)))
                     .count() as u32;
-                assert_eq!(got[slot_n], want);
+                assert_eq!(got.get(s.index()), want);
+                if let Some(k) = query.first() {
+                    assert_eq!(
+                        index.holds(GPU, group, *k, *s),
+                        held.contains_key(&(group, *k))
+                    );
+                }
             }
             assert_eq!(
                 index.entries(),
                 model.iter().map(|m| m.len()).sum::<usize>()
             );
-            for (n, held) in model.iter().enumerate() {
-                assert_eq!(index.slot_entries(slot(n)), held.len());
+            for (s, held) in slots.iter().zip(&model) {
+                assert_eq!(index.slot_entries(*s), held.len());
             }
         }
     }

@@ -21,5 +21,6 @@ pub mod outcomes;
 pub mod salts;
 pub mod scrape;
 pub mod serve;
+pub mod slots;
 pub mod speed;
 pub mod state;

@@ -8,7 +8,7 @@ use std::collections::hash_map::Entry;
 
 use foldhash::fast::RandomState;
 
-use crate::index::Slot;
+use crate::slots::{Slot, SlotSet};
 
 /// First blocks tracked per daemon; past it a replica's further salts are unknowable, and
 /// it counts as holding every salt (a probe then tokenizes, as without this index).
@@ -19,14 +19,14 @@ pub const MAX_SALTED_ROOTS: usize = 1 << 20;
 pub struct SaltIndex {
     /// (slot, first block's key) -> the salt tags its extra keys carry, and the copies
     /// stored (one per group and tier).
-    roots: HashMap<(u8, u64), (Vec<u64>, u32), RandomState>,
+    roots: HashMap<(Slot, u64), (Vec<u64>, u32), RandomState>,
     /// Salt tag -> (slot, first blocks of it the slot holds), only slots holding some: a
-    /// salt is on one replica or a few, and a count per possible slot would cost 256 bytes
+    /// salt is on one replica or a few, and a count per possible slot would cost kilobytes
     /// for each of what may be millions of salts.
-    held: HashMap<u64, Vec<(u8, u32)>, RandomState>,
+    held: HashMap<u64, Vec<(Slot, u32)>, RandomState>,
     /// Slots whose salts cannot be known: a first block published without extra keys
     /// (vLLM before 0.17) or past [`MAX_SALTED_ROOTS`].
-    unknown: u64,
+    unknown: SlotSet,
 }
 
 impl SaltIndex {
@@ -35,26 +35,25 @@ impl SaltIndex {
     /// or None when the event had no extra keys at all.
     pub fn stored(&mut self, slot: Slot, root: u64, tags: Option<Vec<u64>>) {
         let Some(tags) = tags else {
-            self.unknown |= bit(slot);
+            self.unknown.insert(slot);
             return;
         };
         if tags.is_empty() {
             return;
         }
-        let n = slot.index() as u8;
         let full = self.roots.len() >= MAX_SALTED_ROOTS;
-        match self.roots.entry((n, root)) {
+        match self.roots.entry((slot, root)) {
             Entry::Occupied(mut entry) => entry.get_mut().1 += 1,
             Entry::Vacant(entry) => {
                 if full {
-                    self.unknown |= bit(slot);
+                    self.unknown.insert(slot);
                     return;
                 }
                 for &tag in &tags {
                     let counts = self.held.entry(tag).or_default();
-                    match counts.iter_mut().find(|(s, _)| *s == n) {
+                    match counts.iter_mut().find(|(s, _)| *s == slot) {
                         Some((_, count)) => *count += 1,
-                        None => counts.push((n, 1)),
+                        None => counts.push((slot, 1)),
                     }
                 }
                 entry.insert((tags, 1));
@@ -64,7 +63,7 @@ impl SaltIndex {
 
     /// `slot` dropped one copy of the block `key` (any block: most are not first blocks).
     pub fn removed(&mut self, slot: Slot, key: u64) {
-        let Entry::Occupied(mut entry) = self.roots.entry((slot.index() as u8, key)) else {
+        let Entry::Occupied(mut entry) = self.roots.entry((slot, key)) else {
             return;
         };
         entry.get_mut().1 -= 1;
@@ -73,27 +72,26 @@ impl SaltIndex {
         }
         let (tags, _) = entry.remove();
         for tag in tags {
-            self.release(tag, slot.index() as u8);
+            self.release(tag, slot);
         }
     }
 
     /// `slot` holds nothing any more (purged, cleared or removed).
     pub fn purge(&mut self, slot: Slot) {
-        let n = slot.index() as u8;
         let mut released = Vec::new();
         self.roots.retain(|(s, _), (tags, _)| {
-            if *s == n {
+            if *s == slot {
                 released.append(tags);
             }
-            *s != n
+            *s != slot
         });
         for tag in released {
-            self.release(tag, n);
+            self.release(tag, slot);
         }
-        self.unknown &= !bit(slot);
+        self.unknown.remove(slot);
     }
 
-    fn release(&mut self, tag: u64, slot: u8) {
+    fn release(&mut self, tag: u64, slot: Slot) {
         if let Entry::Occupied(mut held) = self.held.entry(tag) {
             let counts = held.get_mut();
             if let Some(i) = counts.iter().position(|(s, _)| *s == slot) {
@@ -110,17 +108,14 @@ impl SaltIndex {
         }
     }
 
-    /// The slots that hold, or may hold, a first block of salt `tag`, as bits.
-    pub fn holders(&self, tag: u64) -> u64 {
-        let held = self.held.get(&tag).map_or(0, |counts| {
-            counts.iter().fold(0, |bits, (slot, _)| bits | 1 << slot)
-        });
-        held | self.unknown
+    /// Whether `slot` holds, or may hold, a first block of salt `tag`.
+    pub fn may_hold(&self, tag: u64, slot: Slot) -> bool {
+        self.unknown.contains(slot)
+            || self
+                .held
+                .get(&tag)
+                .is_some_and(|counts| counts.iter().any(|(s, _)| *s == slot))
     }
-}
-
-fn bit(slot: Slot) -> u64 {
-    1 << slot.index()
 }
 
 #[cfg(test)]
@@ -131,37 +126,41 @@ mod tests {
         Slot::new(n).unwrap()
     }
 
+    /// The slots of `0..MAX_SLOTS` that may hold `tag`.
+    fn holders(salts: &SaltIndex, tag: u64) -> Vec<usize> {
+        (0..crate::slots::MAX_SLOTS)
+            .filter(|n| salts.may_hold(tag, slot(*n)))
+            .collect()
+    }
+
     #[test]
     fn a_salt_is_held_while_a_first_block_of_it_is() {
         let mut salts = SaltIndex::default();
-        let (a, b) = (slot(0), slot(3));
+        let (a, b) = (slot(0), slot(700));
         salts.stored(a, 10, Some(vec![7]));
         // The same block in a second group: two copies.
         salts.stored(a, 10, Some(vec![7]));
         salts.stored(b, 11, Some(vec![7, 8]));
         salts.stored(b, 12, Some(Vec::new()));
-        assert_eq!(salts.holders(7), 0b1001);
-        assert_eq!(salts.holders(8), 0b1000);
-        assert_eq!(salts.holders(9), 0);
+        assert_eq!(holders(&salts, 7), [0, 700]);
+        assert_eq!(holders(&salts, 8), [700]);
+        assert!(holders(&salts, 9).is_empty());
         salts.removed(a, 10);
-        assert_eq!(salts.holders(7), 0b1001);
+        assert_eq!(holders(&salts, 7), [0, 700]);
         salts.removed(a, 10);
         salts.removed(a, 99);
-        assert_eq!(salts.holders(7), 0b1000);
+        assert_eq!(holders(&salts, 7), [700]);
         salts.purge(b);
-        assert_eq!(
-            (salts.holders(7), salts.holders(8), salts.roots.len()),
-            (0, 0, 0)
-        );
-        assert!(salts.held.is_empty());
+        assert!(holders(&salts, 7).is_empty() && holders(&salts, 8).is_empty());
+        assert!(salts.roots.is_empty() && salts.held.is_empty());
     }
 
     #[test]
     fn a_replica_whose_salts_cannot_be_known_may_hold_any() {
         let mut salts = SaltIndex::default();
         salts.stored(slot(2), 10, None);
-        assert_eq!(salts.holders(1), 0b100);
+        assert_eq!(holders(&salts, 1), [2]);
         salts.purge(slot(2));
-        assert_eq!(salts.holders(1), 0);
+        assert!(holders(&salts, 1).is_empty());
     }
 }

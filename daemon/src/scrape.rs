@@ -214,7 +214,7 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
             }
         }
         drop(status);
-        daemon.refresh_speeds(std::time::Instant::now());
+        daemon.speeds_changed(std::time::Instant::now());
     }
 }
 

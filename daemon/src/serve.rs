@@ -90,6 +90,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     info!(listen = %local, endpoints = daemon.endpoints.read().len(), "kvaffined serving");
     // One machine-readable line, so scripts and tests that bind port 0 learn the port.
     println!("listening on {local}");
+    let speeds = daemon.clone();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(crate::state::SPEED_REFRESH_GAP);
+        loop {
+            ticks.tick().await;
+            speeds.refresh_stale_speeds(std::time::Instant::now());
+        }
+    });
     if !fleet.sources.is_empty() {
         tokio::spawn(async move {
             loop {

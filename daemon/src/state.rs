@@ -1,9 +1,9 @@
 //! The daemon's shared state, and the one read path everything serves: lookup, a
 //! read-only [ranking](Daemon::rank) and a separate [booking](Daemon::book) step.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use kvaffine_core::protocol::{self, LookupAnswer, LookupRequest, Query, SaltAnswer, SaltProbe};
@@ -15,8 +15,9 @@ use crate::bookings::{Backlogs, Bookings, SaltBookings};
 use crate::config::{EndpointSpec, Settings};
 use crate::history::History;
 use crate::hybrid::{Layout, Rule, hybrid_hit};
-use crate::index::{GPU, Group, MAX_SLOTS, PrefixIndex, Slot, longest_prefixes_by};
+use crate::index::{Depths, GPU, Group, MAX_SLOTS, PrefixIndex, Slot, longest_prefixes_by};
 use crate::metrics::{EndpointLabel, Metrics};
+use crate::slots::SlotSet;
 use crate::speed::{SpeedLearner, SpeedView};
 
 /// Everything the ingest threads, scrapers and HTTP handlers share.
@@ -32,15 +33,19 @@ pub struct Daemon {
     /// The prefill every pick queued on its replica.
     pub backlogs: Mutex<Backlogs>,
     /// Each slot's prefill speed, as [`refresh_speeds`](Self::refresh_speeds) last set it.
-    pub speeds: RwLock<[SpeedView; MAX_SLOTS]>,
+    pub speeds: RwLock<Vec<SpeedView>>,
+    /// A scrape changed a measured speed since the last refresh.
+    speeds_stale: AtomicBool,
+    /// When the speeds were last refreshed.
+    speeds_refreshed: Mutex<Option<Instant>>,
     /// Where approximate (text-derived) keys were routed.
     pub history: RwLock<History>,
     /// Followed endpoints, in the order they were added.
     pub endpoints: RwLock<Vec<Arc<Endpoint>>>,
     /// Exported metrics.
     pub metrics: Metrics,
-    /// The process's ZMQ context.
-    pub zmq: zmq::Context,
+    /// ZMQ contexts, each for [`STREAMS_PER_CONTEXT`] slots (see [`Daemon::zmq`]).
+    zmq: [zmq::Context; MAX_SLOTS / STREAMS_PER_CONTEXT],
     /// Lookups answered: which replica breaks a tie next.
     pub lookups: std::sync::atomic::AtomicUsize,
     /// The tokens the API requires, when `--auth-token-file` is given.
@@ -181,6 +186,14 @@ pub struct LookupResponse {
     pub booked: Option<String>,
 }
 
+/// The longest a measured speed waits to be ranked on.
+pub const SPEED_REFRESH_GAP: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Event streams whose sockets share a ZMQ context: each takes up to four (its events,
+/// the two ends of their monitor, its replay), within libzmq's 1,023 per context with room
+/// for sockets closing in the background.
+const STREAMS_PER_CONTEXT: usize = 128;
+
 /// One replica as a lookup sees it.
 struct Replica {
     /// What `/v1/lookup` shows of it.
@@ -216,13 +229,13 @@ impl Replica {
 /// How far each slot matches a request's keys.
 struct Matches {
     /// GPU tier, bookings included.
-    matched: [u32; MAX_SLOTS],
+    matched: Depths,
     /// GPU tier, events only.
-    indexed: [u32; MAX_SLOTS],
+    indexed: Depths,
     /// Other tiers, events only (full-attention groups).
-    tiers: Vec<(String, [u32; MAX_SLOTS])>,
-    /// What booking a hybrid slot must credit.
-    windows: [Option<Windows>; MAX_SLOTS],
+    tiers: Vec<(String, Depths)>,
+    /// What booking a hybrid slot must credit, by slot number (hybrid slots only).
+    windows: Vec<Option<Windows>>,
 }
 
 /// A hybrid replica's answer, kept to book what the request will leave in its window
@@ -333,51 +346,88 @@ impl Daemon {
             salt_bookings: Mutex::default(),
             outcomes: Mutex::default(),
             backlogs: Mutex::new(backlogs),
-            speeds: RwLock::new([initial; MAX_SLOTS]),
+            speeds: RwLock::new(vec![initial; MAX_SLOTS]),
+            speeds_stale: AtomicBool::new(false),
+            speeds_refreshed: Mutex::new(None),
             history: RwLock::new(history),
             endpoints: RwLock::new(Vec::new()),
             metrics: Metrics::default(),
-            zmq: zmq::Context::new(),
+            zmq: std::array::from_fn(|_| zmq::Context::new()),
             lookups: std::sync::atomic::AtomicUsize::new(0),
             auth,
         }
     }
 
+    /// The ZMQ context `slot`'s sockets live in. libzmq allows 1,023 sockets per context
+    /// and a stream takes up to four, so a thousand streams cannot share one; a context
+    /// starts its I/O thread only with its first socket, so a small fleet runs one.
+    pub fn zmq(&self, slot: Slot) -> &zmq::Context {
+        // Every slot is below MAX_SLOTS, so its context exists.
+        &self.zmq[slot.index() / STREAMS_PER_CONTEXT]
+    }
+
     /// A free slot, if fewer than [`MAX_SLOTS`] endpoints are followed.
     pub fn free_slot(&self) -> Option<Slot> {
-        let endpoints = self.endpoints.read();
-        (0..MAX_SLOTS)
-            .filter_map(Slot::new)
-            .find(|slot| endpoints.iter().all(|e| e.slot != *slot))
+        let used: SlotSet = self.endpoints.read().iter().map(|e| e.slot).collect();
+        used.first_absent()
+    }
+
+    /// A replica's measured speed may have changed (a scraper just read its metrics): the
+    /// speeds are refreshed now, or by [`refresh_stale_speeds`](Self::refresh_stale_speeds)
+    /// within [`SPEED_REFRESH_GAP`] if they were refreshed less than that ago. A refresh
+    /// reads every replica, so a thousand scrapers refreshing after each of their scrapes
+    /// cost a core; two replicas are refreshed after every scrape, as before.
+    pub fn speeds_changed(&self, now: Instant) {
+        self.speeds_stale.store(true, Ordering::Relaxed);
+        let due = self
+            .speeds_refreshed
+            .lock()
+            .is_none_or(|last| now.saturating_duration_since(last) >= SPEED_REFRESH_GAP);
+        if due {
+            self.refresh_speeds(now);
+        }
+    }
+
+    /// Refreshes the speeds if a scrape changed them since the last refresh (`serve` calls
+    /// it every [`SPEED_REFRESH_GAP`]).
+    pub fn refresh_stale_speeds(&self, now: Instant) {
+        if self.speeds_stale.load(Ordering::Relaxed) {
+            self.refresh_speeds(now);
+        }
     }
 
     /// Sets every slot's prefill speed from what each replica measured (a replica's
-    /// data-parallel ranks share the scraped one's figures) and the operator's flags; the
-    /// scrapers call it after each scrape.
+    /// data-parallel ranks share the scraped one's figures) and the operator's flags.
     pub fn refresh_speeds(&self, now: Instant) {
+        self.speeds_stale.store(false, Ordering::Relaxed);
+        *self.speeds_refreshed.lock() = Some(now);
         let endpoints = self.endpoints.read().clone();
-        let mut replicas: Vec<(&str, Option<PrefillSpeed>, u64)> = Vec::new();
+        // Replica -> (its measured speed, samples behind it), from its best-sampled rank.
+        let mut replicas: Vec<(Option<PrefillSpeed>, u64)> = Vec::new();
+        let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
         for endpoint in &endpoints {
             let status = endpoint.status.lock();
             let (measured, samples) = (status.speed.measured(), status.speed.samples());
-            match replicas.iter_mut().find(|r| r.0 == endpoint.spec.endpoint) {
-                Some(replica) if samples > replica.2 => {
-                    (replica.1, replica.2) = (measured, samples)
-                }
+            match places
+                .get(endpoint.spec.endpoint.as_str())
+                .and_then(|&i| replicas.get_mut(i))
+            {
+                Some(replica) if samples > replica.1 => *replica = (measured, samples),
                 Some(_) => {}
-                None => replicas.push((&endpoint.spec.endpoint, measured, samples)),
+                None => {
+                    places.insert(&endpoint.spec.endpoint, replicas.len());
+                    replicas.push((measured, samples));
+                }
             }
         }
-        let measured: Vec<(Option<PrefillSpeed>, u64)> =
-            replicas.iter().map(|r| (r.1, r.2)).collect();
-        let views = crate::speed::speeds(&measured, self.settings.speed_flags);
+        let views = crate::speed::speeds(&replicas, self.settings.speed_flags);
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
         for endpoint in &endpoints {
-            let Some(view) = replicas
-                .iter()
-                .position(|r| r.0 == endpoint.spec.endpoint)
-                .and_then(|i| views.get(i))
+            let Some(view) = places
+                .get(endpoint.spec.endpoint.as_str())
+                .and_then(|&i| views.get(i))
             else {
                 continue;
             };
@@ -468,7 +518,10 @@ impl Daemon {
         let turn = self
             .lookups
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (order, reason) = self.settings.policy.rank(request_blocks, &candidates, turn);
+        let (order, reason) =
+            self.settings
+                .policy
+                .rank_top(request_blocks, &candidates, turn, request.candidates);
         let tokenize_at = self
             .settings
             .policy
@@ -494,10 +547,10 @@ impl Daemon {
             Query::Text(keys) => {
                 let routed = self.history.read().longest_prefixes(keys);
                 Matches {
-                    matched: routed,
+                    matched: routed.clone(),
                     indexed: routed,
                     tiers: Vec::new(),
-                    windows: [None; MAX_SLOTS],
+                    windows: Vec::new(),
                 }
             }
             Query::Blocks(keys) => {
@@ -518,7 +571,14 @@ impl Daemon {
                 let mut gpu = Walks::new(&keys, &index, &bookings, GPU);
                 let mut matched = gpu.depths(0, true);
                 let mut indexed = gpu.depths(0, false);
-                let mut windows = [None; MAX_SLOTS];
+                let mut windows = vec![
+                    None;
+                    special
+                        .iter()
+                        .map(|(s, _)| s.index() + 1)
+                        .max()
+                        .unwrap_or(0)
+                ];
                 for (slot, rule) in &special {
                     let n = slot.index();
                     let (i, m) = match &**rule {
@@ -535,19 +595,21 @@ impl Daemon {
                                     needed: groups.iter().map(|(_, k)| *k).max().unwrap_or(0),
                                 });
                             }
-                            let indexed =
-                                hybrid_hit(gpu.depth(full, n, false), groups, gpu.held(n, false));
+                            let indexed = hybrid_hit(
+                                gpu.depth(full, n, false),
+                                groups,
+                                gpu.held(*slot, false),
+                            );
                             let matched = if bookings.is_empty() {
                                 indexed
                             } else {
-                                hybrid_hit(full_matched, groups, gpu.held(n, true))
+                                hybrid_hit(full_matched, groups, gpu.held(*slot, true))
                             };
                             (indexed, matched)
                         }
                     };
-                    if let (Some(a), Some(b)) = (indexed.get_mut(n), matched.get_mut(n)) {
-                        (*a, *b) = (i, m);
-                    }
+                    indexed.set(n, i);
+                    matched.set(n, m);
                 }
                 let tiers = index
                     .media()
@@ -563,9 +625,7 @@ impl Daemon {
                                 }
                                 Rule::Unsupported(_) => 0,
                             };
-                            if let Some(d) = depths.get_mut(n) {
-                                *d = depth;
-                            }
+                            depths.set(n, depth);
                         }
                         (medium.to_owned(), depths)
                     })
@@ -582,25 +642,34 @@ impl Daemon {
 
     /// One [`Replica`] per followed replica: its data-parallel ranks' streams merge into
     /// one record.
-    fn replicas(&self, matches: &Matches, pending: &[u64; MAX_SLOTS]) -> Vec<Replica> {
-        let endpoints = self.endpoints.read().clone();
+    fn replicas(&self, matches: &Matches, pending: &[u64]) -> Vec<Replica> {
+        // Read in place, not cloned: a thousand endpoints' reference counts cost more
+        // than the rest of a lookup (`cargo xtask bench scale`).
+        let endpoints = self.endpoints.read();
         let speeds = self.speeds.read();
         let mut replicas: Vec<Replica> = Vec::with_capacity(endpoints.len());
-        for endpoint in &endpoints {
+        // Replica -> its place in `replicas`: a large fleet's ranks merge without a scan.
+        let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
+        for endpoint in endpoints.iter() {
             let slot = endpoint.slot.index();
             let status = endpoint.status.lock();
-            let at = |a: &[u32; MAX_SLOTS]| a.get(slot).copied().unwrap_or(0);
+            let at = |a: &Depths| a.get(slot);
             let load = status.load.unwrap_or_default();
             let stream = EndpointMatch {
                 endpoint: endpoint.spec.endpoint.clone(),
                 matched_blocks: at(&matches.matched),
                 indexed_blocks: at(&matches.indexed),
-                tiers: matches
-                    .tiers
-                    .iter()
-                    .filter(|(_, m)| at(m) > 0)
-                    .map(|(name, m)| (name.clone(), at(m)))
-                    .collect(),
+                tiers: if matches.tiers.is_empty() {
+                    BTreeMap::new()
+                } else {
+                    matches
+                        .tiers
+                        .iter()
+                        .filter(|(_, m)| at(m) > 0)
+                        .map(|(name, m)| (name.clone(), at(m)))
+                        .collect()
+                },
                 running: load.running,
                 waiting: load.waiting,
                 kv_cache_usage: load.kv_cache_usage,
@@ -612,17 +681,20 @@ impl Daemon {
                 connected: !status.events_disconnected,
                 alignment: status.alignment,
             };
-            match replicas
-                .iter_mut()
-                .find(|r| r.record.endpoint == stream.endpoint)
+            match places
+                .get(endpoint.spec.endpoint.as_str())
+                .and_then(|&i| replicas.get_mut(i))
             {
-                None => replicas.push(Replica {
-                    record: stream,
-                    best_slot: endpoint.slot,
-                    windows: matches.windows.get(slot).copied().flatten(),
-                    model: status.model.clone(),
-                    speed: speeds.get(slot).copied().unwrap_or_default().speed(),
-                }),
+                None => {
+                    places.insert(&endpoint.spec.endpoint, replicas.len());
+                    replicas.push(Replica {
+                        record: stream,
+                        best_slot: endpoint.slot,
+                        windows: matches.windows.get(slot).copied().flatten(),
+                        model: status.model.clone(),
+                        speed: speeds.get(slot).copied().unwrap_or_default().speed(),
+                    });
+                }
                 Some(replica) => {
                     if stream.matched_blocks > replica.record.matched_blocks {
                         replica.best_slot = endpoint.slot;
@@ -756,7 +828,7 @@ impl Daemon {
     /// up with its stream. Replicas that cannot be picked (unreachable, stream gone) do
     /// not count.
     fn salt_may_be_held(&self, tag: u64, model: Option<&str>) -> bool {
-        let holders = self.index.read().salts.holders(tag);
+        let index = self.index.read();
         self.endpoints.read().iter().any(|endpoint| {
             let status = endpoint.status.lock();
             let serves = match (model, status.model.as_deref()) {
@@ -766,7 +838,7 @@ impl Daemon {
             let pickable = status.scrape_error.is_none() && !status.events_disconnected;
             serves
                 && pickable
-                && (holders & 1 << endpoint.slot.index() != 0
+                && (index.salts.may_hold(tag, endpoint.slot)
                     || status.incomplete.is_some()
                     || !status.synced)
         })
@@ -816,7 +888,7 @@ struct Walks<'a> {
     bookings: &'a Bookings,
     medium: &'a str,
     /// (group, with bookings) -> leading blocks per slot.
-    done: Vec<((Group, bool), [u32; MAX_SLOTS])>,
+    done: Vec<((Group, bool), Depths)>,
 }
 
 impl<'a> Walks<'a> {
@@ -836,41 +908,49 @@ impl<'a> Walks<'a> {
     }
 
     /// Every slot's leading blocks in `group`, bookings counted if `booked` (GPU only).
-    fn depths(&mut self, group: Group, booked: bool) -> [u32; MAX_SLOTS] {
+    fn depths(&mut self, group: Group, booked: bool) -> Depths {
+        let walk = self.walk(group, booked);
+        self.done
+            .get(walk)
+            .map(|(_, depths)| depths.clone())
+            .unwrap_or_default()
+    }
+
+    /// Walks `group` unless done already; returns the walk's place in `done`.
+    fn walk(&mut self, group: Group, booked: bool) -> usize {
         let booked = booked && self.medium == GPU && !self.bookings.is_empty();
-        if let Some((_, depths)) = self.done.iter().find(|(k, _)| *k == (group, booked)) {
-            return *depths;
+        if let Some(i) = self.done.iter().position(|(k, _)| *k == (group, booked)) {
+            return i;
         }
         let tier = self.index.tier(self.medium, group);
         let keys = self.keys.iter().copied();
         let depths = if booked {
-            longest_prefixes_by(keys, |k| tier(k) | self.bookings.holders(k))
+            longest_prefixes_by(keys, |k| (tier(k), self.bookings.holders(k)))
         } else {
             longest_prefixes_by(keys, tier)
         };
         self.done.push(((group, booked), depths));
-        depths
+        self.done.len() - 1
     }
 
     /// Slot `n`'s leading blocks held by every one of the `full` groups.
     fn depth(&mut self, full: &[Group], n: usize, booked: bool) -> u32 {
         full.iter()
-            .map(|&g| self.depths(g, booked).get(n).copied().unwrap_or(0))
+            .map(|&g| {
+                let walk = self.walk(g, booked);
+                self.done.get(walk).map_or(0, |(_, depths)| depths.get(n))
+            })
             .min()
             .unwrap_or(0)
     }
 
-    /// Whether slot `n` holds block `b` in window group `g` (its bookings' windows counted
+    /// Whether `slot` holds block `b` in window group `g` (its bookings' windows counted
     /// if `booked`).
-    fn held(&self, n: usize, booked: bool) -> impl Fn(Group, usize) -> bool + '_ {
-        let bit = 1u64 << n;
+    fn held(&self, slot: Slot, booked: bool) -> impl Fn(Group, usize) -> bool + '_ {
         move |group, block| {
             self.keys.get(block).is_some_and(|&k| {
-                let mut holders = self.index.tier(self.medium, group)(k);
-                if booked {
-                    holders |= self.bookings.window_holders(k);
-                }
-                holders & bit != 0
+                self.index.holds(self.medium, group, k, slot)
+                    || (booked && self.bookings.window_holds(k, slot))
             })
         }
     }

@@ -970,3 +970,77 @@ fn salt_probes_answer_from_first_blocks_and_bookings() {
         probe("held", false)["route"]["reason"] == "new-salt"
     });
 }
+
+/// One daemon at its slot limit: 1,024 event streams from one process speaking for many
+/// publishers (each with its own sockets, sequence and replay), every event applied, both
+/// the replayed ones published before the daemon started and the live ones after, and
+/// every stream's prefix found where it was stored.
+#[test]
+fn one_daemon_follows_a_thousand_and_twenty_four_streams() {
+    const STREAMS: usize = kvaffined::slots::MAX_SLOTS;
+    // A publisher takes four sockets; libzmq allows 1,023 per context.
+    let contexts: Vec<zmq::Context> = (0..STREAMS / 128).map(|_| zmq::Context::new()).collect();
+    let publishers: Vec<EventPublisher> = (0..STREAMS)
+        .map(|i| publisher(&contexts[i / 128]))
+        .collect();
+    let name = |i: usize| format!("127.0.0.1:{}", 20_000 + i);
+    let (first, second): (Vec<Vec<u32>>, Vec<Vec<u32>>) = (0..STREAMS as u32)
+        .map(|i| (prompt(i, 2), prompt(i + 100_000, 3)))
+        .unzip();
+    for (p, tokens) in publishers.iter().zip(&first) {
+        p.publish(&batch(vec![stored(tokens, 0, own)])).unwrap();
+    }
+    let flags: Vec<String> = publishers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| ["--endpoint".to_owned(), endpoint_flag(&name(i), p)])
+        .collect();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let daemon = DaemonProcess::start(&flags);
+    // Generous: a slow machine starts a thousand streams' threads and replays slowly; the
+    // bound only stops a hang.
+    let wait = |what: &str, mut done: Box<dyn FnMut() -> bool + '_>| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+        while !done() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    };
+    let entries = |daemon: &DaemonProcess| -> Vec<u64> {
+        let (_, value) = daemon.json("GET", "/v1/endpoints", "");
+        value["endpoints"]
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .map(|e| e["index_entries"].as_u64().unwrap_or(0))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    wait(
+        "every stream's replayed blocks",
+        Box::new(|| {
+            let held = entries(&daemon);
+            held.len() == STREAMS && held.iter().all(|n| *n == 2)
+        }),
+    );
+    for (p, tokens) in publishers.iter().zip(&second) {
+        p.publish(&batch(vec![stored(tokens, 0, own)])).unwrap();
+    }
+    wait(
+        "every stream's live blocks",
+        Box::new(|| entries(&daemon).iter().all(|n| *n == 5)),
+    );
+    for i in [0, 62, 63, 64, 500, STREAMS - 1] {
+        let answer = daemon.lookup(&keys(&second[i]));
+        assert_eq!(answer["ranked"][0], name(i), "stream {i}");
+        assert_eq!(daemon.matched(&keys(&first[i]), &name(i)), 2, "stream {i}");
+    }
+    assert_eq!(
+        daemon.metric("kvaffined_index_entries"),
+        (STREAMS * 5) as f64
+    );
+}

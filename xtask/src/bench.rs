@@ -118,31 +118,51 @@ pub fn core() -> anyhow::Result<()> {
 
 /// Index lookups, HTTP lookups, ingest and memory -> `docs/benchmarks/daemon.md`.
 pub fn daemon() -> anyhow::Result<()> {
+    daemon_bench(
+        "daemon",
+        "Daemon speed and size",
+        "Index: 1 M blocks as chains of 128 keys over 8 endpoints; lookups of 128 keys.",
+        include_str!("bench_daemon_notes.md"),
+    )
+}
+
+/// The index and lookups at 8, 64 and 1,024 endpoints beside the 64-slot index, ingest
+/// from many endpoints -> `docs/benchmarks/scale.md`.
+pub fn scale() -> anyhow::Result<()> {
+    daemon_bench(
+        "scale",
+        "The daemon at fleet scale",
+        "Index: 1 M blocks as chains of 128 keys, each held by 1 or 8 of the endpoints; \
+         lookups of 128 keys (a whole chain).",
+        include_str!("bench_scale_notes.md"),
+    )
+}
+
+/// Runs kvaffined's bench `name` and writes its tables, with `notes`, to
+/// `docs/benchmarks/{name}.md`.
+fn daemon_bench(name: &str, title: &str, setup: &str, notes: &str) -> anyhow::Result<()> {
     let output = Command::new(sh::cargo_bin())
-        .args(["bench", "-p", "kvaffined", "--bench", "daemon"])
+        .args(["bench", "-p", "kvaffined", "--bench", name])
         .current_dir(sh::root())
         .stderr(std::process::Stdio::inherit())
         .output()
-        .context("cannot run the daemon bench")?;
+        .with_context(|| format!("cannot run the {name} bench"))?;
     if !output.status.success() {
-        anyhow::bail!("the daemon bench failed: {}", output.status);
+        anyhow::bail!("the {name} bench failed: {}", output.status);
     }
     let table = String::from_utf8_lossy(&output.stdout);
     let mut md = String::new();
-    writeln!(md, "# Daemon speed and size\n")?;
+    writeln!(md, "# {title}\n")?;
     writeln!(
         md,
-        "Command: `cargo xtask bench daemon` (release build; every operation timed, percentiles over all of them)."
+        "Command: `cargo xtask bench {name}` (release build; every operation timed, percentiles over all of them)."
     )?;
     writeln!(md, "Machine: {}.\n", machine())?;
-    writeln!(
-        md,
-        "Index: 1 M blocks as chains of 128 keys over 8 endpoints; lookups of 128 keys.\n"
-    )?;
+    writeln!(md, "{setup}\n")?;
     md.push_str(table.trim());
     md.push_str("\n\n");
-    md.push_str(include_str!("bench_daemon_notes.md"));
-    write(&sh::root().join("docs/benchmarks/daemon.md"), &md)?;
+    md.push_str(notes);
+    write(&sh::root().join(format!("docs/benchmarks/{name}.md")), &md)?;
     println!("{md}");
     Ok(())
 }

@@ -32,6 +32,8 @@ commands:
                 (and the console's copy of its browser build, daemon/ui/keys/)
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
+  bench scale   the index and lookups at 8, 64 and 1,024 endpoints beside the 64-slot index,
+                ingest from many endpoints -> docs/benchmarks/scale.md
   bench filter [--engine emu|vllm]
                 latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
                 (real vLLM replicas and their /tokenize: docs/benchmarks/filter-vllm.md)
@@ -84,6 +86,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["npm"] => npm::run(),
         ["bench", "core"] => bench::core(),
         ["bench", "daemon"] => bench::daemon(),
+        ["bench", "scale"] => bench::scale(),
         ["bench", "filter", rest @ ..] => bench::filter(rest),
         ["bench", "outcomes"] => bench::outcomes(),
         ["bench", "precise-cost"] => bench::precise_cost(),

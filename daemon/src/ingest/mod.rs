@@ -113,7 +113,7 @@ const WARNING_EVERY: Duration = Duration::from_secs(10);
 
 fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
     let spec = &endpoint.spec;
-    let sub = daemon.zmq.socket(zmq::SUB)?;
+    let sub = daemon.zmq(endpoint.slot).socket(zmq::SUB)?;
     sub.set_linger(0)?;
     sub.set_rcvhwm(RECEIVE_HWM)?;
     sub.set_maxmsgsize(daemon.settings.max_event_message_bytes)?;
@@ -134,7 +134,7 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
         &monitor_url,
         (zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw()) as i32,
     )?;
-    let monitor = daemon.zmq.socket(zmq::PAIR)?;
+    let monitor = daemon.zmq(endpoint.slot).socket(zmq::PAIR)?;
     monitor.set_linger(0)?;
     monitor.connect(&monitor_url)?;
     let mut link = Link::default();
@@ -319,7 +319,7 @@ impl Follower<'_> {
                 }
                 Action::RequestReplay(from) => {
                     if let Some(url) = &self.replay_url {
-                        let dealer = self.daemon.zmq.socket(zmq::DEALER)?;
+                        let dealer = self.daemon.zmq(self.endpoint.slot).socket(zmq::DEALER)?;
                         dealer.set_linger(0)?;
                         dealer.set_maxmsgsize(self.daemon.settings.max_event_message_bytes)?;
                         dealer.set_ipv6(true)?;

@@ -1,0 +1,321 @@
+//! The daemon at fleet scale: the index walk at 8, 64 and 1,024 endpoints side by side
+//! with the 64-slot index it replaced, memory per (block, endpoint) entry, whole lookups
+//! and the size of their answers, and ingest from many endpoints on one thread. Run with
+//! `cargo xtask bench scale`, which writes `docs/benchmarks/scale.md`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use foldhash::fast::RandomState;
+use kvaffine_core::events::{
+    BlockStored, EngineHash, EventBatch, EventFormat, KvEvent, decode_batch, encode_batch,
+};
+use kvaffine_core::protocol::{LookupRequest, Query};
+use kvaffine_core::{BlockKey, HashAlgo, KeyConfig, KeyExtras, VllmCompat};
+use kvaffined::index::{GPU, PrefixIndex, Slot};
+use kvaffined::ingest::Applier;
+use kvaffined::state::Daemon;
+
+mod common;
+use common::{BLOCK_SIZE, LIVE, Rng, endpoint, percentile, settings, us};
+
+#[global_allocator]
+static ALLOCATOR: common::Counting = common::Counting;
+
+const BLOCKS: usize = 1_000_000;
+const KEYS_PER_LOOKUP: usize = 128;
+/// Timed walks per fleet and index.
+const WALKS: usize = 60_000;
+
+/// The index before it followed more than 64 endpoints (commit c21ef4e): per tier and
+/// group, one 64-bit holder mask per block, and the walk over it, kept to measure the new
+/// index against in one run.
+#[derive(Default)]
+struct Mask64(HashMap<String, BTreeMap<u32, HashMap<u64, u64, RandomState>>>);
+
+impl Mask64 {
+    fn store(&mut self, slot: usize, keys: &[u64]) {
+        let table = self.0.entry(GPU.into()).or_default().entry(0).or_default();
+        for key in keys {
+            *table.entry(*key).or_default() |= 1 << slot;
+        }
+    }
+
+    fn walk(&self, medium: &str, group: u32, keys: &[u64]) -> [u32; 64] {
+        let table = self.0.get(medium).and_then(|g| g.get(&group));
+        let holders = |key| table.and_then(|t| t.get(&key)).copied().unwrap_or(0);
+        let mut matched = [0u32; 64];
+        let mut record = |mut slots: u64, depth: u32| {
+            while slots != 0 {
+                matched[slots.trailing_zeros() as usize] = depth;
+                slots &= slots - 1;
+            }
+        };
+        let mut alive = u64::MAX;
+        let mut depth = 0u32;
+        for key in keys {
+            let here = holders(*key) & alive;
+            record(alive & !here, depth);
+            alive = here;
+            if alive == 0 {
+                return matched;
+            }
+            depth += 1;
+        }
+        record(alive, depth);
+        matched
+    }
+}
+
+/// 1 M blocks as chains of 128 keys, each chain held by `holders` of `endpoints`: one
+/// after another when 1, else a random draw.
+struct Fleet {
+    endpoints: usize,
+    holders: usize,
+    chains: Vec<(Vec<u64>, Vec<usize>)>,
+}
+
+impl Fleet {
+    fn new(endpoints: usize, holders: usize, rng: &mut Rng) -> Self {
+        let chains = (0..BLOCKS / KEYS_PER_LOOKUP)
+            .map(|c| {
+                let chain: Vec<u64> = (0..KEYS_PER_LOOKUP).map(|_| rng.next()).collect();
+                let mut slots = vec![c % endpoints];
+                while slots.len() < holders {
+                    let s = (rng.next() % endpoints as u64) as usize;
+                    if !slots.contains(&s) {
+                        slots.push(s);
+                    }
+                }
+                (chain, slots)
+            })
+            .collect();
+        Self {
+            endpoints,
+            holders,
+            chains,
+        }
+    }
+
+    fn entries(&self) -> usize {
+        self.chains.len() * KEYS_PER_LOOKUP * self.holders
+    }
+
+    fn index(&self) -> PrefixIndex {
+        let mut index = PrefixIndex::new(usize::MAX);
+        for (chain, slots) in &self.chains {
+            for &s in slots {
+                index.store(Slot::new(s).unwrap(), GPU, 0, chain);
+            }
+        }
+        index
+    }
+
+    fn mask64(&self) -> Option<Mask64> {
+        (self.endpoints <= 64).then(|| {
+            let mut index = Mask64::default();
+            for (chain, slots) in &self.chains {
+                for &s in slots {
+                    index.store(s, chain);
+                }
+            }
+            index
+        })
+    }
+
+    fn chain(&self, i: usize) -> &[u64] {
+        &self.chains[i % self.chains.len()].0
+    }
+}
+
+/// Heap bytes `build` leaves allocated, and what it built.
+fn measured<T>(build: impl FnOnce() -> T) -> (isize, T) {
+    let before = LIVE.load(Ordering::Relaxed);
+    let built = build();
+    (LIVE.load(Ordering::Relaxed) - before, built)
+}
+
+fn cell(times: &mut [Duration]) -> (f64, f64) {
+    times.sort();
+    (us(percentile(times, 0.5)), us(percentile(times, 0.99)))
+}
+
+fn walks(out: &mut String) {
+    out.push_str(
+        "| endpoints | holders per block | walk p50 | walk p99 | 64-slot walk p50 | 64-slot walk p99 | p50 new / old | bytes per (block, endpoint) | 64-slot bytes |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    for (endpoints, holders) in [(8, 1), (8, 8), (64, 1), (64, 8), (1024, 1), (1024, 8)] {
+        let fleet = Fleet::new(endpoints, holders, &mut rng);
+        let (bytes, index) = measured(|| fleet.index());
+        let (old_bytes, old) = measured(|| fleet.mask64());
+        assert_eq!(index.entries(), fleet.entries());
+        let (mut new_times, mut old_times) = (Vec::new(), Vec::new());
+        let mut sink = 0u32;
+        // Each query walked on both indexes, the first to go alternating: the machine's
+        // noise falls on both alike.
+        for i in 0..WALKS {
+            let q = fleet.chain(i * 7);
+            let slot = i % endpoints;
+            let mut time_new = || {
+                let start = Instant::now();
+                let matched = index.longest_prefixes(GPU, 0, q).get(slot);
+                new_times.push(start.elapsed());
+                matched
+            };
+            let Some(old) = &old else {
+                sink ^= time_new();
+                continue;
+            };
+            let mut time_old = || {
+                let start = Instant::now();
+                let matched = old.walk(GPU, 0, q)[slot];
+                old_times.push(start.elapsed());
+                matched
+            };
+            let (new, old) = if i % 2 == 0 {
+                let new = time_new();
+                (new, time_old())
+            } else {
+                let old = time_old();
+                (time_new(), old)
+            };
+            sink ^= new ^ old;
+        }
+        std::hint::black_box(sink);
+        let (p50, p99) = cell(&mut new_times);
+        let per_entry = |b: isize| b as f64 / fleet.entries() as f64;
+        let (old_cells, ratio, old_bytes) = if old.is_some() {
+            let (o50, o99) = cell(&mut old_times);
+            (
+                format!("{o50:.2} us | {o99:.2} us"),
+                format!("{:.2}", p50 / o50),
+                format!("{:.1}", per_entry(old_bytes)),
+            )
+        } else {
+            ("- | -".into(), "-".into(), "-".into())
+        };
+        out.push_str(&format!(
+            "| {endpoints} | {holders} | {p50:.2} us | {p99:.2} us | {old_cells} | {ratio} | {:.1} | {old_bytes} |\n",
+            per_entry(bytes)
+        ));
+    }
+}
+
+fn lookups(out: &mut String) {
+    out.push_str(
+        "\n| whole lookup answer, 128 keys (ranking, no HTTP) | holders per block | p50 | p99 | answer (2 candidates) | every endpoint's record (protocol 1) |\n|---|---|---|---|---|---|\n",
+    );
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for (endpoints, holders) in [(8, 1), (64, 8), (1024, 8)] {
+        let fleet = Fleet::new(endpoints, holders, &mut rng);
+        let daemon = Arc::new(Daemon::new(settings()));
+        *daemon.index.write() = fleet.index();
+        for n in 0..endpoints {
+            daemon.endpoints.write().push(endpoint(n));
+        }
+        let request = |i: usize| LookupRequest {
+            query: Query::Blocks(fleet.chain(i).iter().copied().map(BlockKey).collect()),
+            model: None,
+            book: None,
+            candidates: 2,
+        };
+        let mut times = Vec::new();
+        for i in 0..20_000 {
+            let request = request(i);
+            let start = Instant::now();
+            std::hint::black_box(daemon.lookup(&request, Instant::now()));
+            times.push(start.elapsed());
+        }
+        let (p50, p99) = cell(&mut times);
+        let (ranking, booked) = daemon.lookup(&request(0), Instant::now());
+        let answer = serde_json::to_vec(&ranking.answer(2, booked.clone())).unwrap();
+        let every = serde_json::to_vec(&ranking.into_v1(booked)).unwrap();
+        out.push_str(&format!(
+            "| {endpoints} endpoints | {holders} | {p50:.2} us | {p99:.2} us | {} bytes | {} bytes |\n",
+            answer.len(),
+            every.len()
+        ));
+    }
+}
+
+/// Batches of 8 prompts x 8 new 64-token blocks, as a replica publishes them.
+fn payloads(keys: &KeyConfig, batches: usize) -> Vec<Vec<u8>> {
+    let mut rng = Rng(77);
+    (0..batches)
+        .map(|b| {
+            let events = (0..8)
+                .map(|_| {
+                    let tokens: Vec<u32> = (0..8 * BLOCK_SIZE)
+                        .map(|_| (rng.next() % 151_936) as u32)
+                        .collect();
+                    let digests = keys.digests(&KeyExtras::default(), &tokens);
+                    KvEvent::BlockStored(BlockStored {
+                        block_hashes: digests
+                            .iter()
+                            .map(|d| EngineHash::Int(d.block_key().0))
+                            .collect(),
+                        token_ids: tokens,
+                        block_size: BLOCK_SIZE as u64,
+                        medium: Some("GPU".into()),
+                        extra_keys: Some(vec![None; 8]),
+                        group_idx: Some(0),
+                        kv_cache_spec_kind: Some("full_attention".into()),
+                        ..BlockStored::default()
+                    })
+                })
+                .collect();
+            encode_batch(
+                &EventBatch {
+                    ts: b as f64,
+                    events,
+                    data_parallel_rank: Some(0),
+                    skipped_unknown: 0,
+                },
+                EventFormat::Map,
+            )
+        })
+        .collect()
+}
+
+fn ingest(out: &mut String) {
+    out.push_str(
+        "\n| ingest: decode + apply on one thread, batches dealt round-robin to each endpoint's applier (median of 3) | block entries/s |\n|---|---|\n",
+    );
+    let keys = KeyConfig::new(HashAlgo::Sha256Cbor, BLOCK_SIZE, None, VllmCompat::V0_31).unwrap();
+    let payloads = payloads(&keys, 4096);
+    let blocks = payloads.len() * 8 * 8;
+    for endpoints in [1, 64, 1024] {
+        let mut rates = Vec::new();
+        for _ in 0..3 {
+            let mut index = PrefixIndex::new(usize::MAX);
+            index.share_among(endpoints);
+            let mut appliers: Vec<Applier> = (0..endpoints)
+                .map(|n| Applier::new(Slot::new(n).unwrap(), keys.clone(), Default::default()))
+                .collect();
+            let start = Instant::now();
+            for (b, payload) in payloads.iter().enumerate() {
+                let batch = decode_batch(payload).unwrap();
+                appliers[b % endpoints].apply(&batch, &mut index);
+            }
+            rates.push(blocks as f64 / start.elapsed().as_secs_f64());
+            assert_eq!(index.entries(), blocks);
+        }
+        rates.sort_by(f64::total_cmp);
+        out.push_str(&format!(
+            "| {endpoints} endpoints, {blocks} block entries | {:.2} M |\n",
+            rates[1] / 1e6
+        ));
+    }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; nothing else to parse.
+    let mut out = String::new();
+    walks(&mut out);
+    lookups(&mut out);
+    ingest(&mut out);
+    println!("{out}");
+}

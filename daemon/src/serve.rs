@@ -32,6 +32,13 @@ const DISCOVERY_POLL: Duration = Duration::from_secs(1);
 /// Runs the daemon.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let settings = args.settings()?;
+    // A followed stream holds about seven descriptors (its sockets, their connections and
+    // libzmq's signalling pipes): 7,260 for 1,024 streams (`docs/benchmarks/scale.md`),
+    // past the soft limit of 1,024 many hosts start processes with.
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => info!(open_files = limit, "open file limit"),
+        Err(err) => warn!("cannot raise the open file limit: {err}"),
+    }
     let client = reqwest::Client::builder()
         .no_proxy()
         .build()
@@ -166,7 +173,15 @@ impl Fleet {
             }
         }
         let current: Vec<Arc<Endpoint>> = self.daemon.endpoints.read().clone();
-        for endpoint in current.iter().filter(|e| !wanted.contains(&e.spec)) {
+        let gone: Vec<&Arc<Endpoint>> = current
+            .iter()
+            .filter(|e| !wanted.contains(&e.spec))
+            .collect();
+        // Every thread told first, so they stop together, not one poll after another.
+        for endpoint in &gone {
+            endpoint.stop.store(true, Ordering::Relaxed);
+        }
+        for endpoint in gone {
             self.remove(endpoint).await;
         }
         for spec in wanted {

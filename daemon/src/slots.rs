@@ -488,6 +488,9 @@ pub trait HeldBy {
     fn retain(&self, live: &mut Vec<Slot>, dropped: impl FnMut(Slot)) {
         keep(live, |slot| self.contains(slot), dropped);
     }
+    /// Loads what [`retain`](Self::retain) will read from memory, so that reads for
+    /// several keys can be under way at once.
+    fn touch(&self) {}
 }
 
 /// Keeps the slots of `live` that are `held`, telling `dropped` of each other one; order
@@ -529,6 +532,18 @@ impl HeldBy for HolderView<'_> {
 
     fn add_to(&self, set: &mut SlotSet) {
         self.spill.add_to(self.holders, set);
+    }
+
+    fn touch(&self) {
+        match self.holders.kind() {
+            Kind::Record(i) => {
+                std::hint::black_box(self.spill.records.items.get(i).map(|r| r[0]));
+            }
+            Kind::Bitmap(i) => {
+                std::hint::black_box(self.spill.bitmaps.items.get(i).map(|b| b[0]));
+            }
+            Kind::Mask | Kind::Inline => {}
+        }
     }
 
     /// The record or bitmap is found once for every slot tested.
@@ -703,6 +718,7 @@ pub fn longest_prefixes_by<H: HeldBy>(
             if batch.is_empty() {
                 break;
             }
+            batch.iter().for_each(H::touch);
             for held in &batch {
                 held.retain(&mut live, |slot| depths.set(slot.index(), depth));
                 if live.is_empty() {

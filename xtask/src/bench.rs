@@ -122,25 +122,35 @@ pub fn daemon() -> anyhow::Result<()> {
         "daemon",
         "Daemon speed and size",
         "Index: 1 M blocks as chains of 128 keys over 8 endpoints; lookups of 128 keys.",
+        "",
         include_str!("bench_daemon_notes.md"),
     )
 }
 
 /// The index and lookups at 8, 64 and 1,024 endpoints beside the 64-slot index, ingest
-/// from many endpoints -> `docs/benchmarks/scale.md`.
+/// from many endpoints, and the daemon binary following 1,024 real event streams ->
+/// `docs/benchmarks/scale.md`.
 pub fn scale() -> anyhow::Result<()> {
+    let streams = e2e_bench(&["streams", "1024"])?;
     daemon_bench(
         "scale",
         "The daemon at fleet scale",
         "Index: 1 M blocks as chains of 128 keys, each held by 1 or 8 of the endpoints; \
          lookups of 128 keys (a whole chain).",
+        &streams,
         include_str!("bench_scale_notes.md"),
     )
 }
 
-/// Runs kvaffined's bench `name` and writes its tables, with `notes`, to
-/// `docs/benchmarks/{name}.md`.
-fn daemon_bench(name: &str, title: &str, setup: &str, notes: &str) -> anyhow::Result<()> {
+/// Runs kvaffined's bench `name` and writes its tables, then `more` tables, then `notes`,
+/// to `docs/benchmarks/{name}.md`.
+fn daemon_bench(
+    name: &str,
+    title: &str,
+    setup: &str,
+    more: &str,
+    notes: &str,
+) -> anyhow::Result<()> {
     let output = Command::new(sh::cargo_bin())
         .args(["bench", "-p", "kvaffined", "--bench", name])
         .current_dir(sh::root())
@@ -161,6 +171,10 @@ fn daemon_bench(name: &str, title: &str, setup: &str, notes: &str) -> anyhow::Re
     writeln!(md, "{setup}\n")?;
     md.push_str(table.trim());
     md.push_str("\n\n");
+    if !more.trim().is_empty() {
+        md.push_str(more.trim());
+        md.push_str("\n\n");
+    }
     md.push_str(notes);
     write(&sh::root().join(format!("docs/benchmarks/{name}.md")), &md)?;
     println!("{md}");
@@ -481,6 +495,11 @@ fn stack_bench(args: &[&str]) -> anyhow::Result<String> {
     sh::ensure_wasm_target()?;
     sh::ensure_python_tools()?;
     sh::build_filter()?;
+    e2e_bench(args)
+}
+
+/// Runs the e2e `bench` binary (release build) with `args`; returns its standard output.
+fn e2e_bench(args: &[&str]) -> anyhow::Result<String> {
     sh::cargo(&[
         "build",
         "--release",

@@ -20,8 +20,12 @@ use crate::hybrid::{Layout, Rule};
 use crate::metrics::EventLabel;
 use crate::state::{Daemon, Endpoint};
 
-/// How long a poll waits before the thread checks whether it should stop.
+/// How long a poll waits before the thread checks its timers (a replay's deadline, a
+/// stream down too long) and whether it should stop, while something is pending.
 const POLL: Duration = Duration::from_millis(50);
+/// The same with nothing pending: a thousand streams polling every 50 ms kept a core half
+/// busy doing nothing (`bench streams`, `docs/benchmarks/scale.md`).
+const IDLE_POLL: Duration = Duration::from_millis(500);
 /// Messages a SUB socket queues before libzmq drops (vLLM's own publisher uses the same).
 pub(crate) const RECEIVE_HWM: i32 = 100_000;
 
@@ -175,7 +179,9 @@ fn run(daemon: &Daemon, endpoint: &Endpoint) -> anyhow::Result<()> {
             if let Some(dealer) = &follower.dealer {
                 items.push(dealer.as_poll_item(zmq::POLLIN));
             }
-            zmq::poll(&mut items, POLL.as_millis() as i64)?;
+            let pending = follower.replay_started.is_some() || link.down_since.is_some();
+            let wait = if pending { POLL } else { IDLE_POLL };
+            zmq::poll(&mut items, wait.as_millis() as i64)?;
             let ready = |i: usize| items.get(i).is_some_and(|i| i.is_readable());
             (ready(0), ready(1), ready(2))
         };

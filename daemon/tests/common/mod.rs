@@ -90,7 +90,21 @@ pub struct DaemonProcess {
 
 impl DaemonProcess {
     pub fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvaffined"))
+        Self::spawn(Command::new(env!("CARGO_BIN_EXE_kvaffined")), args)
+    }
+
+    /// Started with a soft limit of `soft` open files, as many hosts start processes
+    /// (util-linux's `prlimit` sets it for the child alone).
+    pub fn start_with_open_files(soft: u64, args: &[&str]) -> Self {
+        let mut command = Command::new("prlimit");
+        command
+            .arg(format!("--nofile={soft}:"))
+            .arg(env!("CARGO_BIN_EXE_kvaffined"));
+        Self::spawn(command, args)
+    }
+
+    fn spawn(mut command: Command, args: &[&str]) -> Self {
+        let mut child = command
             .arg("serve")
             .args([
                 "--listen",

@@ -13,6 +13,7 @@ pub mod scenarios;
 pub mod seed;
 pub mod session;
 pub mod soak;
+pub mod streams;
 pub mod vllm;
 
 use std::path::{Path, PathBuf};

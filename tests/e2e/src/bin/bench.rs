@@ -39,6 +39,15 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             hybrid,
         ),
         Some("load") => load(),
+        Some("streams") => {
+            let streams = args
+                .get(1)
+                .context("usage: bench streams N")?
+                .parse()
+                .context("N: a number of streams")?;
+            print!("{}", kvaffine_e2e::streams::run(streams)?);
+            Ok(())
+        }
         Some("scenarios") if args.get(2).is_some_and(|a| a == "vllm") => scenarios_vllm(
             args.get(1)
                 .context("usage: bench scenarios OUT_DIR vllm [hybrid]")?,

@@ -128,14 +128,48 @@ impl Discovery for KvEventSources {
 pub struct DnsReplicas {
     host: String,
     port: u16,
+    resolver: Box<dyn Resolve>,
     sources: Arc<EventSourcesCache>,
     known: parking_lot::Mutex<BTreeMap<String, Vec<EndpointSpec>>>,
     warned: parking_lot::Mutex<BTreeSet<String>>,
 }
 
+/// Resolves a name to addresses: the system's resolver, or a simulated one in tests and
+/// benchmarks of a fleet larger than a machine can run.
+pub trait Resolve: Send + Sync {
+    /// The addresses of `host`, each with `port`.
+    fn resolve<'a>(
+        &'a self,
+        host: &'a str,
+        port: u16,
+    ) -> BoxFuture<'a, std::io::Result<Vec<std::net::SocketAddr>>>;
+}
+
+/// The system's resolver (`getaddrinfo`, as every process on the host resolves).
+pub struct SystemResolver;
+
+impl Resolve for SystemResolver {
+    fn resolve<'a>(
+        &'a self,
+        host: &'a str,
+        port: u16,
+    ) -> BoxFuture<'a, std::io::Result<Vec<std::net::SocketAddr>>> {
+        Box::pin(async move { Ok(tokio::net::lookup_host((host, port)).await?.collect()) })
+    }
+}
+
 impl DnsReplicas {
     /// Follows the addresses of `name` (`HOST:PORT`, the replicas' HTTP port).
     pub fn new(name: &str, sources: Arc<EventSourcesCache>) -> anyhow::Result<Self> {
+        Self::with_resolver(name, sources, Box::new(SystemResolver))
+    }
+
+    /// [`new`](Self::new), resolving through `resolver`.
+    pub fn with_resolver(
+        name: &str,
+        sources: Arc<EventSourcesCache>,
+        resolver: Box<dyn Resolve>,
+    ) -> anyhow::Result<Self> {
         let (host, port) = name
             .rsplit_once(':')
             .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
@@ -144,6 +178,7 @@ impl DnsReplicas {
         Ok(Self {
             host: host.to_owned(),
             port,
+            resolver,
             sources,
             known: parking_lot::Mutex::new(BTreeMap::new()),
             warned: parking_lot::Mutex::new(BTreeSet::new()),
@@ -153,9 +188,8 @@ impl DnsReplicas {
     /// The addresses to follow now, and whether they come from DNS (false: from memory,
     /// the name did not resolve).
     async fn addresses(&self) -> (BTreeSet<String>, bool) {
-        match tokio::net::lookup_host((self.host.as_str(), self.port)).await {
-            Ok(resolved) => {
-                let all: Vec<std::net::SocketAddr> = resolved.collect();
+        match self.resolver.resolve(&self.host, self.port).await {
+            Ok(all) => {
                 let v4 = all.iter().any(std::net::SocketAddr::is_ipv4);
                 let chosen = all
                     .iter()
@@ -181,9 +215,12 @@ impl Discovery for DnsReplicas {
         Box::pin(async move {
             let (addresses, in_dns) = self.addresses().await;
             let mut probes = tokio::task::JoinSet::new();
+            // A thousand pods are asked a few dozen at a time, not in one burst.
+            let permits = Arc::new(tokio::sync::Semaphore::new(PROBES_AT_ONCE));
             for address in addresses {
-                let sources = self.sources.clone();
+                let (sources, permits) = (self.sources.clone(), permits.clone());
                 probes.spawn(async move {
+                    let _permit = permits.acquire_owned().await;
                     let answer = sources.get(&address).await;
                     (address, answer)
                 });
@@ -224,7 +261,18 @@ impl Discovery for DnsReplicas {
 /// when vLLM restarts with other settings (the stream's restart detection sees that
 /// meanwhile), while asking on every one-second poll would cost the replicas one request
 /// per replica per daemon per second: with a daemon beside every gateway pod, thousands.
+/// Each replica's answer lasts between 3/4 and 5/4 of it, by a hash of its address, so a
+/// fleet found at once is asked again spread over 15 s, not in one burst every 30 s.
 const SOURCES_FRESH_FOR: Duration = Duration::from_secs(30);
+
+/// `/kv_event_sources` requests a discovery poll has in flight at once.
+const PROBES_AT_ONCE: usize = 32;
+
+/// How long `replica`'s answer is reused: [`SOURCES_FRESH_FOR`], spread by its address.
+fn fresh_for(replica: &str) -> Duration {
+    let hash = std::hash::BuildHasher::hash_one(&foldhash::fast::FixedState::default(), replica);
+    SOURCES_FRESH_FOR.mul_f64(0.75 + (hash % 1024) as f64 / 2048.0)
+}
 
 /// Replicas' `/kv_event_sources` answers, shared by every discovery source and asked
 /// again once older than [`SOURCES_FRESH_FOR`].
@@ -248,7 +296,7 @@ impl EventSourcesCache {
             .answers
             .lock()
             .get(replica)
-            .filter(|(at, _)| at.elapsed() < SOURCES_FRESH_FOR)
+            .filter(|(at, _)| at.elapsed() < fresh_for(replica))
             .map(|(_, specs)| specs.clone());
         if let Some(specs) = fresh {
             return Ok(specs);
@@ -362,6 +410,20 @@ mod tests {
 
     fn parse(json: &str) -> BTreeMap<String, EventSource> {
         serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn a_fleet_found_at_once_is_asked_again_spread_out() {
+        let fresh: Vec<f64> = (0..1000)
+            .map(|n| fresh_for(&format!("10.1.{}.{}:8000", n / 250, n % 250)).as_secs_f64())
+            .collect();
+        assert!(fresh.iter().all(|s| (22.5..37.5).contains(s)));
+        // Ten windows of 1.5 s: about a tenth of the fleet in each, none in one burst.
+        let mut windows = [0; 10];
+        for s in &fresh {
+            windows[((s - 22.5) / 1.5) as usize] += 1;
+        }
+        assert!(windows.iter().all(|n| (50..150).contains(n)), "{windows:?}");
     }
 
     #[test]

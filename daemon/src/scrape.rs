@@ -135,10 +135,23 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
         .settings
         .scrape_interval
         .max(std::time::Duration::from_millis(200));
-    let mut ticker = tokio::time::interval(daemon.settings.scrape_interval);
+    let interval = daemon.settings.scrape_interval;
+    let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Scraped at once when followed, then at a phase of its own within the interval (by a
+    // hash of its address): a fleet followed together is not scraped in one burst.
+    let hash = std::hash::BuildHasher::hash_one(
+        &foldhash::fast::FixedState::default(),
+        &endpoint.spec.endpoint,
+    );
+    let phase = interval.mul_f64((1 + hash % 1024) as f64 / 1024.0);
+    let mut first = true;
     while !endpoint.stop.load(Ordering::Relaxed) {
         ticker.tick().await;
+        if first {
+            first = false;
+            ticker.reset_at(tokio::time::Instant::now() + phase);
+        }
         // `/metrics` answers as long as the HTTP server lives; `/health` says whether the
         // engine behind it does (vLLM answers 503 once its engine core is dead). Both at
         // once: a slow replica costs one timeout, not two.

@@ -1,7 +1,7 @@
 //! `kvaffined serve`: follow the configured replicas and answer lookups until SIGINT or
 //! SIGTERM.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -155,27 +155,31 @@ impl Fleet {
         self.reconcile(&discovered).await
     }
 
+    /// Follows exactly `discovered` and the flags' endpoints. Sets, not scans: a
+    /// thousand pods polled every second.
     async fn reconcile(&self, discovered: &[EndpointSpec]) -> anyhow::Result<()> {
-        let mut wanted: Vec<EndpointSpec> = Vec::new();
+        let mut wanted: Vec<&EndpointSpec> = Vec::new();
+        let mut streams: HashMap<(&str, u32), &EndpointSpec> = HashMap::new();
         for spec in self.flag_endpoints.iter().chain(discovered) {
-            match wanted
-                .iter()
-                .find(|w| w.endpoint == spec.endpoint && w.rank == spec.rank)
-            {
-                Some(existing) if existing != spec => bail!(
+            match streams.get(&(spec.endpoint.as_str(), spec.rank)) {
+                Some(existing) if *existing != spec => bail!(
                     "{} is configured twice, differently ({} and {})",
                     spec.stream_name(),
                     existing.events,
                     spec.events
                 ),
                 Some(_) => {}
-                None => wanted.push(spec.clone()),
+                None => {
+                    streams.insert((&spec.endpoint, spec.rank), spec);
+                    wanted.push(spec);
+                }
             }
         }
+        let wanted_specs: HashSet<&EndpointSpec> = wanted.iter().copied().collect();
         let current: Vec<Arc<Endpoint>> = self.daemon.endpoints.read().clone();
         let gone: Vec<&Arc<Endpoint>> = current
             .iter()
-            .filter(|e| !wanted.contains(&e.spec))
+            .filter(|e| !wanted_specs.contains(&e.spec))
             .collect();
         // Every thread told first, so they stop together, not one poll after another.
         for endpoint in &gone {
@@ -184,9 +188,10 @@ impl Fleet {
         for endpoint in gone {
             self.remove(endpoint).await;
         }
+        let followed: HashSet<&EndpointSpec> = current.iter().map(|e| &e.spec).collect();
         for spec in wanted {
-            if !current.iter().any(|e| e.spec == spec) {
-                self.add(spec)?;
+            if !followed.contains(spec) {
+                self.add(spec.clone())?;
             }
         }
         Ok(())

@@ -45,6 +45,12 @@ impl ApiTokens {
         })
     }
 
+    /// The first token of the file, as this daemon presents to its peers (daemons in
+    /// front of the same replicas share one token file).
+    pub fn first(&self) -> Option<String> {
+        self.loaded.lock().tokens.first().cloned()
+    }
+
     /// Whether an `authorization` header value is `Bearer <one of the tokens>`.
     pub fn allows(&self, authorization: Option<&[u8]>) -> bool {
         let Some(offered) = authorization.and_then(|v| v.strip_prefix(b"Bearer ")) else {

@@ -55,6 +55,12 @@ pub struct ServeArgs {
     /// by its IP. Repeatable.
     #[arg(long = "discover-dns")]
     pub discover_dns: Vec<String>,
+    /// `HOST:PORT` of another kvaffined in front of the same replicas (beside another
+    /// gateway): every pick booked here is booked there too, with this daemon's first API
+    /// token if `--auth-token-file` is given. Repeatable; the config file's `peers` add
+    /// to these.
+    #[arg(long = "peer", value_parser = parse_peer)]
+    pub peers: Vec<String>,
     /// The replicas' `kv-events-config` topic.
     #[arg(long, default_value = "")]
     pub topic: String,
@@ -207,6 +213,9 @@ pub struct ConfigFile {
     /// Replicas discovered through their `/kv_event_sources`, as with `--discover`.
     #[serde(default)]
     pub discover: Vec<String>,
+    /// Daemons bookings are shared with, as with `--peer`.
+    #[serde(default)]
+    pub peers: Vec<String>,
 }
 
 impl ConfigFile {
@@ -225,7 +234,20 @@ impl ConfigFile {
         if !errors.is_empty() {
             bail!("invalid endpoints: {}", errors.join("; "));
         }
+        for peer in &file.peers {
+            parse_peer(peer).map_err(|err| anyhow::anyhow!("invalid peer: {err}"))?;
+        }
         Ok(file)
+    }
+}
+
+/// A peer daemon's `HOST:PORT`.
+fn parse_peer(text: &str) -> Result<String, String> {
+    match text.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+            Ok(text.to_owned())
+        }
+        _ => Err(format!("{text:?}: expected HOST:PORT of another kvaffined")),
     }
 }
 

@@ -32,16 +32,23 @@ pub trait Discovery: Send + Sync {
 pub struct ConfigFileSource {
     path: PathBuf,
     sources: Arc<EventSourcesCache>,
+    /// Where the file's `peers` go.
+    peers: Arc<crate::peers::PeerList>,
     last: parking_lot::Mutex<Option<(Option<SystemTime>, ConfigFile)>>,
 }
 
 impl ConfigFileSource {
     /// Reads `path` now, failing if it is absent or invalid: a bad file at start-up is an
     /// error, a bad edit later keeps the previous endpoints.
-    pub fn new(path: PathBuf, sources: Arc<EventSourcesCache>) -> anyhow::Result<Self> {
+    pub fn new(
+        path: PathBuf,
+        sources: Arc<EventSourcesCache>,
+        peers: Arc<crate::peers::PeerList>,
+    ) -> anyhow::Result<Self> {
         let source = Self {
             path,
             sources,
+            peers,
             last: parking_lot::Mutex::new(None),
         };
         source.read()?;
@@ -62,7 +69,8 @@ impl ConfigFileSource {
         let stale = last.as_ref().is_none_or(|(seen, _)| *seen != modified);
         if stale {
             let file = self.read()?;
-            tracing::info!(path = %self.path.display(), endpoints = file.endpoints.len(), "config read");
+            tracing::info!(path = %self.path.display(), endpoints = file.endpoints.len(), peers = file.peers.len(), "config read");
+            self.peers.set_file(file.peers.clone());
             *last = Some((modified, file));
         }
         Ok(last

@@ -93,6 +93,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
             post(record_outcomes).get(outcomes),
         )
         .route("/v1/explain", post(crate::console::explain))
+        .route(crate::peers::PEER_BOOKINGS_PATH, post(peer_bookings))
         .route_layer(axum::middleware::from_fn_with_state(
             daemon.clone(),
             authorize,
@@ -184,6 +185,18 @@ async fn lookup(
     Ok(answer(&daemon, started, &request, |ranking, booked| {
         ranking.answer(request.candidates, booked)
     }))
+}
+
+/// `POST /v2/peer/bookings`: bookings another daemon made, held here too.
+async fn peer_bookings(
+    State(daemon): State<Arc<Daemon>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|rejection| ApiError::Body(rejection.body_text()))?;
+    let batch: crate::peers::PeerBookings =
+        serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    daemon.hold_peer_bookings(&batch.bookings, Instant::now());
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 /// `POST /v2/salt`: whether a salted request can be routed without tokenizing.

@@ -18,6 +18,7 @@ pub mod ingest;
 pub mod keys_cmd;
 pub mod metrics;
 pub mod outcomes;
+pub mod peers;
 pub mod salts;
 pub mod scrape;
 pub mod serve;

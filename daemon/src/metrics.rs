@@ -40,6 +40,15 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// Labels of the peer booking series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerLabel {
+    /// `sent` (to one peer), `failed` (a peer did not take them), `dropped` (the queue
+    /// to the peers was full), `received` (held here) or `unknown_stream` (a stream this
+    /// daemon does not follow).
+    pub outcome: &'static str,
+}
+
 /// Labels of the outcome series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabel {
@@ -95,6 +104,10 @@ pub struct Metrics {
     pub salt_probes_held: Counter,
     /// Picks not booked at `--max-booked-keys`.
     pub bookings_refused: Counter,
+    /// Bookings shared with peers and taken from them, by outcome.
+    pub peer_bookings: Family<PeerLabel, Counter>,
+    /// Peers bookings were last sent to.
+    pub peers: Gauge,
     /// Tokens the filter predicted cached, per replica (its reported outcomes).
     pub outcome_predicted: Family<EndpointLabel, Counter>,
     /// Tokens the replica reported cached, per replica (the same outcomes).
@@ -141,6 +154,8 @@ impl Default for Metrics {
         let shed = Counter::default();
         let salt_probes_held = Counter::default();
         let bookings_refused = Counter::default();
+        let peer_bookings = Family::<PeerLabel, Counter>::default();
+        let peers = Gauge::default();
         let outcome_predicted = Family::<EndpointLabel, Counter>::default();
         let outcome_cached = Family::<EndpointLabel, Counter>::default();
         let outcome_error = Family::<EndpointLabel, Counter>::default();
@@ -193,6 +208,16 @@ impl Default for Metrics {
             "bookings_refused",
             "Picks not booked because --max-booked-keys keys were booked",
             bookings_refused.clone(),
+        );
+        registry.register(
+            "peer_bookings",
+            "Bookings shared with --peer daemons (sent, failed, dropped) and taken from them (received, unknown_stream)",
+            peer_bookings.clone(),
+        );
+        registry.register(
+            "peers",
+            "Peers (--peer and the config file's peers) the last bookings were sent to",
+            peers.clone(),
         );
         registry.register(
             "salt_probes_held",
@@ -313,6 +338,8 @@ impl Default for Metrics {
             shed,
             salt_probes_held,
             bookings_refused,
+            peer_bookings,
+            peers,
             outcome_predicted,
             outcome_cached,
             outcome_error,
@@ -377,6 +404,13 @@ impl Metrics {
                 reason: reason.as_str(),
             })
             .inc();
+    }
+
+    /// Counts `n` bookings shared with peers or taken from them, by `outcome`.
+    pub fn count_peer_bookings(&self, outcome: &'static str, n: u64) {
+        self.peer_bookings
+            .get_or_create(&PeerLabel { outcome })
+            .inc_by(n);
     }
 
     /// The Prometheus text exposition.

@@ -45,10 +45,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("cannot build the HTTP client")?;
     let mut sources: Vec<Box<dyn Discovery>> = Vec::new();
     let event_sources = Arc::new(EventSourcesCache::new(client.clone()));
+    let peers = Arc::new(crate::peers::PeerList::new(args.peers.clone()));
     if let Some(path) = &args.config {
         sources.push(Box::new(ConfigFileSource::new(
             path.clone(),
             event_sources.clone(),
+            peers.clone(),
         )?));
     }
     if !args.discover.is_empty() {
@@ -81,8 +83,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         crate::ingest::RECEIVE_HWM,
         settings.max_event_message_bytes,
     );
+    let token = auth.as_ref().and_then(crate::auth::ApiTokens::first);
     let daemon = Arc::new(Daemon::with_auth(settings, auth));
+    if !args.peers.is_empty() || args.config.is_some() {
+        let queue = crate::peers::spawn(daemon.clone(), peers.clone(), token, client.clone());
+        let _ = daemon.peers.set(queue);
+    }
     let fleet = Fleet {
+        peers,
         daemon: daemon.clone(),
         client,
         flag_endpoints: args.endpoints.clone(),
@@ -128,6 +136,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// Adds and removes followed endpoints to match flags and discovery.
 struct Fleet {
     daemon: Arc<Daemon>,
+    /// The daemons bookings are shared with (the config file's change with it).
+    peers: Arc<crate::peers::PeerList>,
     client: reqwest::Client,
     flag_endpoints: Vec<EndpointSpec>,
     sources: Vec<Box<dyn Discovery>>,
@@ -152,6 +162,10 @@ impl Fleet {
         }
         let discovered: Vec<EndpointSpec> =
             self.last_good.lock().values().flatten().cloned().collect();
+        self.daemon
+            .metrics
+            .peers
+            .set(self.peers.current().len() as i64);
         self.reconcile(&discovered).await
     }
 

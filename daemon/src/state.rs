@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use kvaffine_core::approximate::TextKey;
 use kvaffine_core::protocol::{self, LookupAnswer, LookupRequest, Query, SaltAnswer, SaltProbe};
 use kvaffine_core::{BlockKey, Candidate, Load, PrefillSpeed, Reason};
 use parking_lot::{Mutex, RwLock};
@@ -17,6 +18,7 @@ use crate::history::History;
 use crate::hybrid::{Layout, Rule, hybrid_hit};
 use crate::index::{Depths, GPU, Group, MAX_SLOTS, PrefixIndex, Slot, longest_prefixes_by};
 use crate::metrics::{EndpointLabel, Metrics};
+use crate::peers::{Held, PeerBooking};
 use crate::slots::SlotSet;
 use crate::speed::{SpeedLearner, SpeedView};
 
@@ -50,6 +52,8 @@ pub struct Daemon {
     pub lookups: std::sync::atomic::AtomicUsize,
     /// The tokens the API requires, when `--auth-token-file` is given.
     pub auth: Option<crate::auth::ApiTokens>,
+    /// Where bookings made here are queued for the peers (`--peer`), if any.
+    pub peers: std::sync::OnceLock<tokio::sync::mpsc::Sender<PeerBooking>>,
     /// Outcomes the filters reported: predictions against what replicas served.
     pub outcomes: Mutex<crate::outcomes::OutcomeLog>,
 }
@@ -355,6 +359,7 @@ impl Daemon {
             zmq: std::array::from_fn(|_| zmq::Context::new()),
             lookups: std::sync::atomic::AtomicUsize::new(0),
             auth,
+            peers: std::sync::OnceLock::new(),
         }
     }
 
@@ -709,7 +714,8 @@ impl Daemon {
 
     /// Books the ranking's pick, if the request asks for it: its prefill joins the
     /// replica's backlog, and its keys count as held there (block keys until its events
-    /// confirm them; text keys in the approximate history). Returns the endpoint booked.
+    /// confirm them; text keys in the approximate history), here and at every peer.
+    /// Returns the endpoint booked.
     pub fn book(&self, request: &LookupRequest, ranking: &Ranking, now: Instant) -> Option<String> {
         let booking = request.book?;
         let replica = ranking.replicas.get(*ranking.order.first()?)?;
@@ -719,12 +725,10 @@ impl Daemon {
             .policy
             .prefill_work(request.query.len(), record.matched_blocks as usize)
             + replica.speed.overhead_tokens;
-        let last_key = match &request.query {
-            Query::Blocks(keys) => keys.last().map(|k| k.0),
-            Query::Text(_) => None,
-        };
-        self.backlogs.lock().add(slot, work as u64, last_key, now);
-        match &request.query {
+        let ttl = booking
+            .ttl_ms
+            .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
+        let held = match &request.query {
             Query::Blocks(keys) => {
                 self.metrics
                     .booked_predicted
@@ -736,33 +740,133 @@ impl Daemon {
                     .inc_by(
                         u64::from(record.indexed_blocks) * self.settings.keys.block_size() as u64,
                     );
-                let ttl = booking
-                    .ttl_ms
-                    .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
                 // On a hybrid replica the request leaves the window before its end cached
                 // in the window groups, and the one before the point where its full-attention
                 // hit ended when that was not served (vLLM keeps that junction for the
                 // siblings to come).
-                let windows: Vec<std::ops::Range<usize>> = replica
+                let windows: Vec<(usize, usize)> = replica
                     .windows
                     .map(|w| {
                         let end = keys.len();
                         let junction = w.full as usize;
                         let mut ranges = Vec::with_capacity(2);
-                        ranges.push(end.saturating_sub(w.needed)..end);
+                        ranges.push((end.saturating_sub(w.needed), end));
                         if (record.matched_blocks as usize) < junction && junction < end {
-                            ranges.push(junction.saturating_sub(w.needed)..junction);
+                            ranges.push((junction.saturating_sub(w.needed), junction));
                         }
                         ranges
                     })
                     .unwrap_or_default();
-                if !self.bookings.write().book(slot, keys, &windows, now + ttl) {
+                Held::Blocks {
+                    keys: keys.iter().map(|k| k.0).collect(),
+                    windows,
+                }
+            }
+            Query::Text(keys) => Held::Text {
+                keys: keys.iter().map(|k| k.0).collect(),
+            },
+        };
+        self.hold(slot, &record.endpoint, work as u64, &held, now, now + ttl);
+        self.share(slot, work as u64, ttl, held);
+        Some(record.endpoint.clone())
+    }
+
+    /// Holds a booking on `slot` (of replica `endpoint`) until `expires`: its `work`
+    /// joins the replica's backlog, and what it holds counts as held there.
+    fn hold(
+        &self,
+        slot: Slot,
+        endpoint: &str,
+        work: u64,
+        held: &Held,
+        now: Instant,
+        expires: Instant,
+    ) {
+        match held {
+            Held::Blocks { keys, windows } => {
+                self.backlogs
+                    .lock()
+                    .add(slot, work, keys.last().copied(), now);
+                let keys: Vec<BlockKey> = keys.iter().copied().map(BlockKey).collect();
+                let windows: Vec<std::ops::Range<usize>> =
+                    windows.iter().map(|&(start, end)| start..end).collect();
+                if !self.bookings.write().book(slot, &keys, &windows, expires) {
                     self.metrics.bookings_refused.inc();
                 }
             }
-            Query::Text(keys) => self.history.write().record(slot, keys),
+            Held::Text { keys } => {
+                self.backlogs.lock().add(slot, work, None, now);
+                let keys: Vec<TextKey> = keys.iter().copied().map(TextKey).collect();
+                self.history.write().record(slot, &keys);
+            }
+            Held::Salt { salt } => {
+                // Queued under the salt's tag: its events' first block of the salt
+                // confirms it.
+                self.backlogs.lock().add(slot, work, Some(*salt), now);
+                if !self
+                    .salt_bookings
+                    .lock()
+                    .book(*salt, endpoint, now, expires)
+                {
+                    self.metrics.bookings_refused.inc();
+                }
+            }
         }
-        Some(record.endpoint.clone())
+    }
+
+    /// Queues a booking held here for the peers, if there are any.
+    fn share(&self, slot: Slot, work: u64, ttl: std::time::Duration, held: Held) {
+        let Some(peers) = self.peers.get() else {
+            return;
+        };
+        let Some((endpoint, rank)) = self
+            .endpoints
+            .read()
+            .iter()
+            .find(|e| e.slot == slot)
+            .map(|e| (e.spec.endpoint.clone(), e.spec.rank))
+        else {
+            return;
+        };
+        let booking = PeerBooking {
+            endpoint,
+            rank,
+            work,
+            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+            held,
+        };
+        if peers.try_send(booking).is_err() {
+            self.metrics.count_peer_bookings("dropped", 1);
+        }
+    }
+
+    /// Holds bookings a peer made, as if made here (they are not sent on). A booking of a
+    /// stream this daemon does not follow is counted and skipped; one held longer than
+    /// ten of this daemon's booking TTLs is held that long.
+    pub fn hold_peer_bookings(&self, bookings: &[PeerBooking], now: Instant) {
+        let slots: HashMap<(String, u32), Slot> = self
+            .endpoints
+            .read()
+            .iter()
+            .map(|e| ((e.spec.endpoint.clone(), e.spec.rank), e.slot))
+            .collect();
+        let longest = self.settings.booking_ttl * 10;
+        for booking in bookings {
+            let Some(&slot) = slots.get(&(booking.endpoint.clone(), booking.rank)) else {
+                self.metrics.count_peer_bookings("unknown_stream", 1);
+                continue;
+            };
+            let ttl = std::time::Duration::from_millis(booking.ttl_ms).min(longest);
+            self.hold(
+                slot,
+                &booking.endpoint,
+                booking.work,
+                &booking.held,
+                now,
+                now + ttl,
+            );
+            self.metrics.count_peer_bookings("received", 1);
+        }
     }
 
     /// Ranks, then books if asked, counting the outcome.
@@ -863,20 +967,21 @@ impl Daemon {
             .policy
             .prefill_work(self.probe_blocks(probe), 0)
             + replica.speed.overhead_tokens;
-        self.backlogs
-            .lock()
-            .add(replica.best_slot, work as u64, Some(probe.salt), now);
         let ttl = booking
             .ttl_ms
             .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
-        if !self
-            .salt_bookings
-            .lock()
-            .book(probe.salt, &replica.record.endpoint, now, now + ttl)
-        {
-            self.metrics.bookings_refused.inc();
-        }
-        Some(replica.record.endpoint.clone())
+        let held = Held::Salt { salt: probe.salt };
+        let endpoint = &replica.record.endpoint;
+        self.hold(
+            replica.best_slot,
+            endpoint,
+            work as u64,
+            &held,
+            now,
+            now + ttl,
+        );
+        self.share(replica.best_slot, work as u64, ttl, held);
+        Some(endpoint.clone())
     }
 }
 

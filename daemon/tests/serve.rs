@@ -1046,3 +1046,100 @@ fn one_daemon_follows_a_thousand_and_twenty_four_streams() {
         (STREAMS * 5) as f64
     );
 }
+
+/// Two daemons in front of the same replicas (two gateways), peered: one through `--peer`,
+/// the other through its config file, written once both listen. A pick booked on either
+/// is held by both: the other ranks its replica first for the booked prefix before any
+/// event, with the booked blocks matched and its prefill pending there; what a daemon
+/// takes from a peer it does not send on.
+#[test]
+fn peered_daemons_hold_each_others_bookings() {
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    let dir = std::env::temp_dir().join(format!("kvaffined-peers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("first.json");
+    std::fs::write(&config, r#"{"peers": []}"#).unwrap();
+    let endpoints = [
+        "--endpoint".to_owned(),
+        endpoint_flag(A, &pa),
+        "--endpoint".to_owned(),
+        endpoint_flag(B, &pb),
+        // A booked prefill stays pending for the whole test.
+        "--prefill-tokens-per-second".to_owned(),
+        "1".to_owned(),
+    ];
+    let with = |more: &[&str]| -> Vec<String> {
+        endpoints
+            .iter()
+            .cloned()
+            .chain(more.iter().map(|s| s.to_string()))
+            .collect()
+    };
+    let first_args = with(&["--config", config.to_str().unwrap()]);
+    let first = DaemonProcess::start(&first_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let second_args = with(&["--peer", &first.addr]);
+    let second = DaemonProcess::start(&second_args.iter().map(String::as_str).collect::<Vec<_>>());
+    std::fs::write(&config, json!({"peers": [second.addr]}).to_string()).unwrap();
+    for daemon in [&first, &second] {
+        daemon.wait_ready();
+        wait_for("its peer", || daemon.metric("kvaffined_peers ") == 1.0);
+    }
+    let received = |daemon: &DaemonProcess| {
+        daemon.metric("kvaffined_peer_bookings_total{outcome=\"received\"} ")
+    };
+    for (n, (booker, other)) in [(&first, &second), (&second, &first)]
+        .into_iter()
+        .enumerate()
+    {
+        let k = keys(&prompt(80 + n as u32, 6));
+        let body = json!({"keys": k, "book": {"ttl_ms": 60_000}}).to_string();
+        let (status, answer) = booker.json("POST", "/v1/lookup", &body);
+        assert_eq!(status, 200, "{answer}");
+        let booked = answer["booked"].as_str().unwrap().to_owned();
+        wait_for("the booking at the peer", || received(other) == 1.0);
+        let seen = other.lookup(&k);
+        assert_eq!(seen["ranked"][0], booked.as_str(), "{seen}");
+        assert_eq!(seen["reason"], "prefix");
+        let entry = seen["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == booked.as_str())
+            .unwrap()
+            .clone();
+        assert_eq!(entry["matched_blocks"], 6, "{entry}");
+        assert_eq!(entry["indexed_blocks"], 0, "{entry}");
+        // Another request waits behind the booked prefill there (the booked request's
+        // own continuation would not: it needs that prefill wherever it goes).
+        let behind = other.lookup(&keys(&prompt(90, 2)));
+        let pending = behind["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == booked.as_str())
+            .unwrap()["pending_prefill_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(pending > 0, "{behind}");
+    }
+    for daemon in [&first, &second] {
+        assert_eq!(
+            daemon.metric("kvaffined_peer_bookings_total{outcome=\"sent\"} "),
+            1.0,
+            "each sent its own booking, not the one it took"
+        );
+    }
+    // A stream the daemon does not follow is counted and skipped; a bad body is refused.
+    let stranger = json!({"bookings": [{"endpoint": "10.9.9.9:8000", "rank": 0, "work": 10,
+        "ttl_ms": 1000, "held": {"salt": {"salt": 7}}}]});
+    let (status, _) = first.request("POST", "/v2/peer/bookings", &stranger.to_string());
+    assert_eq!(status, 204);
+    assert_eq!(
+        first.metric("kvaffined_peer_bookings_total{outcome=\"unknown_stream\"} "),
+        1.0
+    );
+    let (status, _) = first.request("POST", "/v2/peer/bookings", r#"{"bookings": 3}"#);
+    assert_eq!(status, 400);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -213,6 +213,17 @@ impl PrefixIndex {
         }
     }
 
+    /// Whether `slot` holds `key` in any of `medium`'s groups.
+    pub fn holds_in_any_group(&self, medium: &str, key: u64, slot: Slot) -> bool {
+        self.tiers.get(medium).is_some_and(|groups| {
+            groups.values().any(|t| {
+                t.holders
+                    .get(&key)
+                    .is_some_and(|h| t.spill.contains(*h, slot))
+            })
+        })
+    }
+
     /// Whether `slot` holds `key` in `medium`'s `group`.
     pub fn holds(&self, medium: &str, group: Group, key: u64, slot: Slot) -> bool {
         self.tiers

@@ -856,6 +856,18 @@ impl Daemon {
                 self.metrics.count_peer_bookings("unknown_stream", 1);
                 continue;
             };
+            // Its replica's events may have come first: the pick is done, and holding it
+            // would count its prefill as queued until it drained at the replica's speed.
+            let stored = match &booking.held {
+                Held::Blocks { keys, .. } => keys
+                    .last()
+                    .is_some_and(|k| self.index.read().holds_in_any_group(GPU, *k, slot)),
+                Held::Salt { .. } | Held::Text { .. } => false,
+            };
+            if stored {
+                self.metrics.count_peer_bookings("already_stored", 1);
+                continue;
+            }
             let ttl = std::time::Duration::from_millis(booking.ttl_ms).min(longest);
             self.hold(
                 slot,

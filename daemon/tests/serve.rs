@@ -1123,6 +1123,30 @@ fn peered_daemons_hold_each_others_bookings() {
             .unwrap();
         assert!(pending > 0, "{behind}");
     }
+    // Both see the same queues: each pick counted once, wherever it was made.
+    let pending = |daemon: &DaemonProcess| -> Vec<u64> {
+        let answer = daemon.lookup(&keys(&prompt(91, 2)));
+        [A, B]
+            .iter()
+            .map(|name| {
+                answer["endpoints"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|e| e["endpoint"] == *name)
+                    .unwrap()["pending_prefill_tokens"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (seen_first, seen_second) = (pending(&first), pending(&second));
+    for (a, b) in seen_first.iter().zip(&seen_second) {
+        assert!(
+            a.abs_diff(*b) <= 1,
+            "{seen_first:?} against {seen_second:?}"
+        );
+    }
     for daemon in [&first, &second] {
         assert_eq!(
             daemon.metric("kvaffined_peer_bookings_total{outcome=\"sent\"} "),

@@ -128,16 +128,18 @@ pub fn daemon() -> anyhow::Result<()> {
 }
 
 /// The index and lookups at 8, 64 and 1,024 endpoints beside the 64-slot index, ingest
-/// from many endpoints, and the daemon binary following 1,024 real event streams ->
+/// from many endpoints, the daemon binary following 1,024 real event streams, and
+/// scenarios through several gateways, their daemons peered or not ->
 /// `docs/benchmarks/scale.md`.
 pub fn scale() -> anyhow::Result<()> {
     let streams = e2e_bench(&["streams", "1024"])?;
+    let gateways = stack_bench(&["gateways"])?;
     daemon_bench(
         "scale",
         "The daemon at fleet scale",
         "Index: 1 M blocks as chains of 128 keys, each held by 1 or 8 of the endpoints; \
          lookups of 128 keys (a whole chain).",
-        &streams,
+        &format!("{streams}\n\n{gateways}"),
         include_str!("bench_scale_notes.md"),
     )
 }

@@ -33,7 +33,8 @@ commands:
   bench core    key and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
   bench scale   the index and lookups at 8, 64 and 1,024 endpoints beside the 64-slot index,
-                ingest from many endpoints -> docs/benchmarks/scale.md
+                1,024 real event streams, scenarios through 1, 2 and 4 gateways with their
+                daemons peered or not -> docs/benchmarks/scale.md
   bench filter [--engine emu|vllm]
                 latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
                 (real vLLM replicas and their /tokenize: docs/benchmarks/filter-vllm.md)

@@ -231,6 +231,58 @@ pub fn ecds_yaml(filter: &Value, wasm: &Path) -> anyhow::Result<String> {
         .replace("{{WASM_PATH}}", &wasm.display().to_string()))
 }
 
+/// More gateways in front of `first`'s replicas: `count - 1` stacks of their own (a
+/// gateway and its kvaffined each, started with `config`), as several gateway pods front
+/// one pool. With `peered`, every daemon of them all shares its bookings with the others
+/// (`--config` files naming the others' addresses, written once all listen); `first`'s
+/// daemon must have been started with `--config first_peers` for that.
+pub fn more_gateways(
+    first: &Stack,
+    first_peers: Option<&Path>,
+    count: usize,
+    config: &StackConfig,
+) -> anyhow::Result<Vec<Stack>> {
+    let mut files: Vec<PathBuf> = first_peers.map(Path::to_path_buf).into_iter().collect();
+    let mut others = Vec::new();
+    for _ in 1..count {
+        let mut config = config.clone();
+        if first_peers.is_some() {
+            let file = peers_file()?;
+            config
+                .daemon_args
+                .extend(["--config".to_owned(), file.display().to_string()]);
+            files.push(file);
+        }
+        others.push(Stack::front(config, first.upstreams.clone())?);
+    }
+    if first_peers.is_none() {
+        return Ok(others);
+    }
+    let all: Vec<&Stack> = std::iter::once(first).chain(&others).collect();
+    for (i, file) in files.iter().enumerate() {
+        let peers: Vec<&str> = all
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, stack)| stack.daemon_addr.as_str())
+            .collect();
+        std::fs::write(file, json!({ "peers": peers }).to_string())?;
+    }
+    for stack in &all {
+        poll("every daemon's peers", Duration::from_secs(60), || {
+            stack.daemon_metric("kvaffined_peers") == (count - 1) as f64
+        })?;
+    }
+    Ok(others)
+}
+
+/// A new kvaffined config file naming no peer yet.
+pub fn peers_file() -> anyhow::Result<PathBuf> {
+    let file = unique_dir()?.join("kvaffined.json");
+    std::fs::write(&file, r#"{"peers": []}"#)?;
+    Ok(file)
+}
+
 fn unique_dir() -> anyhow::Result<PathBuf> {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?

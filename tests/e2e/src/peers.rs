@@ -258,11 +258,19 @@ pub fn run_workload(
     arm: Arm,
 ) -> anyhow::Result<Run> {
     let (block_size, model) = (engine.block_size(), engine.model());
-    scenarios::run_through(engine, workload, arm.name, true, 1, true, |stack| {
-        let peer = PeerProcess::start(arm.router, &Worker::of(stack), block_size, model)?;
-        let url = format!("{}v1/chat/completions", base_url(arm, stack, peer.as_ref()));
-        Ok((url, peer))
-    })
+    scenarios::run_through(
+        engine,
+        workload,
+        arm.name,
+        true,
+        scenarios::Topology::Daemons(1),
+        true,
+        |stack| {
+            let peer = PeerProcess::start(arm.router, &Worker::of(stack), block_size, model)?;
+            let url = format!("{}v1/chat/completions", base_url(arm, stack, peer.as_ref()));
+            Ok((url, peer))
+        },
+    )
 }
 
 /// Every workload under every arm, each workload on the engine `engine_for` gives it (real

@@ -4,6 +4,7 @@
 //! sent), TTFT, throughput, load imbalance and failed requests.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -203,8 +204,10 @@ fn tools(n: usize) -> Value {
 /// Everything one workload needs to send requests.
 #[derive(Clone)]
 pub struct Ctx {
-    /// The gateway URL of the profile's route.
-    pub url: String,
+    /// The gateway URLs of the profile's route, one per gateway, taken in turn.
+    pub urls: Vec<String>,
+    /// Which URL the next request takes.
+    pub next_url: Arc<std::sync::atomic::AtomicUsize>,
     /// Replica addresses (for the oracle).
     pub replicas: Vec<String>,
     /// HTTP client.
@@ -216,6 +219,18 @@ pub struct Ctx {
     pub model: String,
     /// Who says what each replica holds.
     pub oracle: Oracle,
+}
+
+impl Ctx {
+    /// The URL the next request goes to: each gateway in turn.
+    pub fn url(&self) -> &str {
+        let n = self
+            .next_url
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.urls
+            .get(n % self.urls.len().max(1))
+            .map_or("", String::as_str)
+    }
 }
 
 async fn sessions_interleaved(ctx: &Ctx, sessions: &mut [Session], rounds: usize) {
@@ -376,6 +391,22 @@ impl Engine {
 
 const SYSTEM: &str = "You are a careful software agent. Think, then act.";
 
+/// What fronts the replicas in a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// One gateway, this many kvaffined active-active behind it.
+    Daemons(usize),
+    /// This many gateways, each with its own kvaffined, taking the requests in turn (a
+    /// Service in front of gateway pods, no session affinity); `peered`: the daemons
+    /// share their bookings.
+    Gateways {
+        /// Gateways.
+        count: usize,
+        /// Whether the daemons are peered.
+        peered: bool,
+    },
+}
+
 /// Runs `scenario` under `profile` on `engine`; `variant` names a profile variant (lag,
 /// booking).
 pub fn run(
@@ -383,14 +414,14 @@ pub fn run(
     scenario: &Scenario,
     profile: Profile,
     variant: &str,
-    daemons: usize,
+    topology: Topology,
 ) -> anyhow::Result<Run> {
     run_through(
         engine,
         scenario,
         &format!("{}{variant}", profile.name),
         profile.book,
-        daemons,
+        topology,
         false,
         |stack| {
             let url = format!(
@@ -426,12 +457,23 @@ pub fn run_through<T>(
     scenario: &Scenario,
     name: &str,
     book: bool,
-    daemons: usize,
+    topology: Topology,
     salt_as_text: bool,
     target: impl FnOnce(&Stack) -> anyhow::Result<(String, T)>,
 ) -> anyhow::Result<Run> {
     let filter = json!({"book": book, "timeout_ms": 500});
     let model = engine.model();
+    let (daemons, gateways, peers) = match topology {
+        Topology::Daemons(daemons) => (daemons, 1, None),
+        Topology::Gateways { count, peered } => {
+            anyhow::ensure!(
+                matches!(engine, Engine::Emu { .. }),
+                "several gateways run on the emulator only"
+            );
+            (1, count, peered.then(crate::peers_file).transpose()?)
+        }
+    };
+    let mut others: Vec<Stack> = Vec::new();
     let (mut stack, oracle, oracle_process) = match engine {
         Engine::Emu { block_size } => {
             let mut replica_args: Vec<String> = vec!["--time-scale".into(), "0.2".into()];
@@ -442,7 +484,7 @@ pub fn run_through<T>(
                     (tokens / *block_size).to_string(),
                 ]);
             }
-            let stack = Stack::start(StackConfig {
+            let config = StackConfig {
                 replicas: scenario.replicas,
                 block_size: *block_size,
                 replica_args,
@@ -450,10 +492,20 @@ pub fn run_through<T>(
                 filter,
                 daemons,
                 ..StackConfig::default()
-            })?;
+            };
+            let mut first = config.clone();
+            if let Some(file) = &peers {
+                first
+                    .daemon_args
+                    .extend(["--config".to_owned(), file.display().to_string()]);
+            }
+            let stack = Stack::start(first)?;
+            others = crate::more_gateways(&stack, peers.as_deref(), gateways, &config)?;
             // A fleet in steady state has long been measured; a run of a few seconds
             // would otherwise be routed mostly at the speed assumed before measuring.
-            stack.wait_speeds_measured()?;
+            for stack in std::iter::once(&stack).chain(&others) {
+                stack.wait_speeds_measured()?;
+            }
             (stack, Oracle::Emulator, None)
         }
         Engine::Vllm { replicas } => {
@@ -485,8 +537,16 @@ pub fn run_through<T>(
         }
     };
     let (url, guard) = target(&stack)?;
+    let urls = std::iter::once(url.clone())
+        .chain(
+            others
+                .iter()
+                .map(|other| url.replacen(&stack.gateway, &other.gateway, 1)),
+        )
+        .collect();
     let ctx = Ctx {
-        url,
+        urls,
+        next_url: Default::default(),
         replicas: stack.upstreams.iter().map(|r| r.http.clone()).collect(),
         client: crate::load::client()?,
         salt_as_text,
@@ -511,6 +571,7 @@ pub fn run_through<T>(
         })
         .collect();
     drop(guard);
+    drop(others);
     drop(oracle_process);
     Ok(Run {
         scenario: scenario.name.to_owned(),

@@ -125,7 +125,7 @@ pub fn salt_as_text(body: &mut Value) {
 /// Sends one streaming chat request through the context's URL and reassembles the
 /// answer.
 pub async fn turn(ctx: &Ctx, body: &Value) -> TurnResult {
-    let (client, url, replicas) = (&ctx.client, ctx.url.as_str(), ctx.replicas.as_slice());
+    let (client, url, replicas) = (&ctx.client, ctx.url(), ctx.replicas.as_slice());
     let mut body = body.clone();
     if ctx.salt_as_text {
         salt_as_text(&mut body);

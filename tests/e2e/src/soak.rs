@@ -234,7 +234,8 @@ pub fn run(engine: Engine, minutes: f64) -> anyhow::Result<Report> {
         _ => Oracle::Emulator,
     };
     let ctx = Ctx {
-        url: format!("http://{}/v1/chat/completions", stack.gateway),
+        urls: vec![format!("http://{}/v1/chat/completions", stack.gateway)],
+        next_url: Default::default(),
         replicas: stack.upstreams.iter().map(|u| u.http.clone()).collect(),
         client: crate::load::client()?,
         salt_as_text: false,

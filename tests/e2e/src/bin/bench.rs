@@ -39,6 +39,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             hybrid,
         ),
         Some("load") => load(),
+        Some("gateways") => gateways(),
         Some("streams") => {
             let streams = args
                 .get(1)
@@ -526,6 +527,78 @@ fn seed(out: &str, engine: &str, hybrid: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `bench gateways`: the event-lag (500 ms) and concurrency scenarios, precise routing,
+/// through 1, 2 and 4 gateways each with its own kvaffined, requests taking the gateways
+/// in turn, the daemons' bookings shared or not; five runs of each, median and range.
+fn gateways() -> anyhow::Result<()> {
+    use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Topology};
+    const RUNS: usize = 5;
+    let precise = PROFILES
+        .into_iter()
+        .find(|p| p.name == "precise")
+        .context("no precise profile")?;
+    let mut md = String::from(
+        "\n| scenario (precise) | gateways | bookings shared | hit rate, median of 5 (range) | oracle | TTFT p50 | TTFT p99 |\n|---|---|---|---|---|---|---|\n",
+    );
+    for scenario in scenarios::all()
+        .into_iter()
+        .filter(|s| matches!(s.name, "event-lag" | "concurrency"))
+    {
+        let scenario = if scenario.name == "event-lag" {
+            let mut replica_args = scenario.replica_args.clone();
+            replica_args.extend(["--event-lag-ms".into(), "500".into()]);
+            scenarios::Scenario {
+                replica_args,
+                per_replica_args: scenario.per_replica_args.clone(),
+                ..scenario
+            }
+        } else {
+            scenario
+        };
+        for (count, peered) in [(1, false), (2, false), (2, true), (4, false), (4, true)] {
+            eprintln!(
+                "{} through {count} gateways, peered {peered} ...",
+                scenario.name
+            );
+            let mut figures = Vec::new();
+            for _ in 0..RUNS {
+                let run = scenarios::run(
+                    &mut Engine::emu(),
+                    &scenario,
+                    precise,
+                    "",
+                    Topology::Gateways { count, peered },
+                )?;
+                figures.push(run.figures());
+            }
+            figures.sort_by(|a, b| a.hit_pct.total_cmp(&b.hit_pct));
+            let (low, high) = (
+                figures.first().map_or(0.0, |f| f.hit_pct),
+                figures.last().map_or(0.0, |f| f.hit_pct),
+            );
+            let median = figures.get(RUNS / 2).context("no run")?;
+            writeln!(
+                md,
+                "| {} | {count} | {} | {:.1}% ({low:.1}-{high:.1}) | {:.1}% | {:.0} ms | {:.0} ms |",
+                scenario.name,
+                if count == 1 {
+                    "-"
+                } else if peered {
+                    "yes"
+                } else {
+                    "no"
+                },
+                median.hit_pct,
+                median.oracle_pct,
+                median.ttft_p50_ms,
+                median.ttft_p99_ms
+            )?;
+        }
+    }
+    print!("{md}");
+    Ok(())
+}
+
 /// `bench load`: the whole stack at the highest rate a closed loop reaches, for 60 s, with
 /// ~8k-token chat requests, every one a prompt never seen before.
 fn load() -> anyhow::Result<()> {
@@ -989,17 +1062,17 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
                         &lagged,
                         profile,
                         &variant,
-                        1,
+                        scenarios::Topology::Daemons(1),
                     )?);
                 }
             }
             continue;
         }
-        let daemons = if scenario.name == "daemon-failover" {
+        let daemons = scenarios::Topology::Daemons(if scenario.name == "daemon-failover" {
             2
         } else {
             1
-        };
+        });
         for profile in PROFILES {
             runs.push(scenarios::run(
                 &mut Engine::emu(),
@@ -1129,11 +1202,11 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
         .collect();
     let (mut real, mut emulated): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
     for scenario in &chosen {
-        let daemons = if scenario.name == "daemon-failover" {
+        let daemons = scenarios::Topology::Daemons(if scenario.name == "daemon-failover" {
             2
         } else {
             1
-        };
+        });
         eprintln!("scenario {} on real vLLM ...", scenario.name);
         let mut spec = VllmSpec {
             model: if hybrid { "bench-hybrid" } else { "bench" }.to_owned(),

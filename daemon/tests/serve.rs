@@ -1154,6 +1154,20 @@ fn peered_daemons_hold_each_others_bookings() {
             "each sent its own booking, not the one it took"
         );
     }
+    // A booking whose replica's events came first is done: skipped, not queued.
+    let done = prompt(92, 3);
+    pa.publish(&batch(vec![stored(&done, 0, own)])).unwrap();
+    wait_for("A's blocks", || first.matched(&keys(&done), A) == 3);
+    let late = json!({"bookings": [{"endpoint": A, "rank": 0, "work": 1000, "ttl_ms": 60_000,
+        "held": {"blocks": {"keys": keys(&done), "windows": []}}}]});
+    let before = pending(&first);
+    let (status, _) = first.request("POST", "/v2/peer/bookings", &late.to_string());
+    assert_eq!(status, 204);
+    assert_eq!(
+        first.metric("kvaffined_peer_bookings_total{outcome=\"already_stored\"} "),
+        1.0
+    );
+    assert!(pending(&first)[0] <= before[0], "nothing queued on A");
     // A stream the daemon does not follow is counted and skipped; a bad body is refused.
     let stranger = json!({"bookings": [{"endpoint": "10.9.9.9:8000", "rank": 0, "work": 10,
         "ttl_ms": 1000, "held": {"salt": {"salt": 7}}}]});

@@ -11,11 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvaffine_core::BlockKey;
-use kvaffine_core::events::{
-    BlockStored, EngineHash, EventBatch, EventFormat, KvEvent, decode_batch, encode_batch,
-};
+use kvaffine_core::events::decode_batch;
 use kvaffine_core::protocol::{Booking, LookupRequest, Query};
-use kvaffine_core::{HashAlgo, KeyConfig, KeyExtras, VllmCompat};
+use kvaffine_core::{HashAlgo, KeyConfig, VllmCompat};
 use kvaffined::hybrid::Rule;
 use kvaffined::index::{GPU, PrefixIndex, Slot};
 use kvaffined::ingest::Applier;
@@ -269,43 +267,8 @@ fn http(out: &mut String) {
 
 fn ingest(out: &mut String) {
     let keys = KeyConfig::new(HashAlgo::Sha256Cbor, BLOCK_SIZE, None, VllmCompat::V0_31).unwrap();
-    let mut rng = Rng(77);
     // 4,000 batches of 8 prompts x 8 new 64-token blocks, as a replica publishes them.
-    let payloads: Vec<Vec<u8>> = (0..4000)
-        .map(|b| {
-            let events = (0..8)
-                .map(|_| {
-                    let tokens: Vec<u32> = (0..8 * BLOCK_SIZE)
-                        .map(|_| (rng.next() % 151_936) as u32)
-                        .collect();
-                    let digests = keys.digests(&KeyExtras::default(), &tokens);
-                    KvEvent::BlockStored(BlockStored {
-                        block_hashes: digests
-                            .iter()
-                            .map(|d| EngineHash::Int(d.block_key().0))
-                            .collect(),
-                        parent_block_hash: None,
-                        token_ids: tokens,
-                        block_size: BLOCK_SIZE as u64,
-                        medium: Some("GPU".into()),
-                        extra_keys: Some(vec![None; 8]),
-                        group_idx: Some(0),
-                        kv_cache_spec_kind: Some("full_attention".into()),
-                        ..BlockStored::default()
-                    })
-                })
-                .collect();
-            encode_batch(
-                &EventBatch {
-                    ts: b as f64,
-                    events,
-                    data_parallel_rank: Some(0),
-                    skipped_unknown: 0,
-                },
-                EventFormat::Map,
-            )
-        })
-        .collect();
+    let payloads = common::payloads(&keys, 4000);
     let blocks = 4000 * 8 * 8;
     let mut rates = Vec::new();
     for _ in 0..5 {

@@ -9,17 +9,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use foldhash::fast::RandomState;
-use kvaffine_core::events::{
-    BlockStored, EngineHash, EventBatch, EventFormat, KvEvent, decode_batch, encode_batch,
-};
+use kvaffine_core::events::decode_batch;
 use kvaffine_core::protocol::{LookupRequest, Query};
-use kvaffine_core::{BlockKey, HashAlgo, KeyConfig, KeyExtras, VllmCompat};
+use kvaffine_core::{BlockKey, HashAlgo, KeyConfig, VllmCompat};
 use kvaffined::index::{GPU, PrefixIndex, Slot};
 use kvaffined::ingest::Applier;
 use kvaffined::state::Daemon;
 
 mod common;
-use common::{BLOCK_SIZE, LIVE, Rng, endpoint, percentile, settings, us};
+use common::{BLOCK_SIZE, LIVE, Rng, endpoint, payloads, percentile, settings, us};
 
 #[global_allocator]
 static ALLOCATOR: common::Counting = common::Counting;
@@ -239,45 +237,6 @@ fn lookups(out: &mut String) {
             every.len()
         ));
     }
-}
-
-/// Batches of 8 prompts x 8 new 64-token blocks, as a replica publishes them.
-fn payloads(keys: &KeyConfig, batches: usize) -> Vec<Vec<u8>> {
-    let mut rng = Rng(77);
-    (0..batches)
-        .map(|b| {
-            let events = (0..8)
-                .map(|_| {
-                    let tokens: Vec<u32> = (0..8 * BLOCK_SIZE)
-                        .map(|_| (rng.next() % 151_936) as u32)
-                        .collect();
-                    let digests = keys.digests(&KeyExtras::default(), &tokens);
-                    KvEvent::BlockStored(BlockStored {
-                        block_hashes: digests
-                            .iter()
-                            .map(|d| EngineHash::Int(d.block_key().0))
-                            .collect(),
-                        token_ids: tokens,
-                        block_size: BLOCK_SIZE as u64,
-                        medium: Some("GPU".into()),
-                        extra_keys: Some(vec![None; 8]),
-                        group_idx: Some(0),
-                        kv_cache_spec_kind: Some("full_attention".into()),
-                        ..BlockStored::default()
-                    })
-                })
-                .collect();
-            encode_batch(
-                &EventBatch {
-                    ts: b as f64,
-                    events,
-                    data_parallel_rank: Some(0),
-                    skipped_unknown: 0,
-                },
-                EventFormat::Map,
-            )
-        })
-        .collect()
 }
 
 fn ingest(out: &mut String) {

@@ -460,13 +460,7 @@ fn a_booking_holds_a_fresh_prefix_for_its_siblings_until_it_expires() {
         sibling["ranked"][0] == booked.as_str()
     });
     assert_eq!(sibling["reason"], "prefix");
-    let entry = sibling["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["endpoint"] == booked.as_str())
-        .unwrap()
-        .clone();
+    let entry = DaemonProcess::record(&sibling, &booked);
     assert_eq!(
         (
             entry["matched_blocks"].as_u64(),
@@ -1101,24 +1095,13 @@ fn peered_daemons_hold_each_others_bookings() {
         let seen = other.lookup(&k);
         assert_eq!(seen["ranked"][0], booked.as_str(), "{seen}");
         assert_eq!(seen["reason"], "prefix");
-        let entry = seen["endpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["endpoint"] == booked.as_str())
-            .unwrap()
-            .clone();
+        let entry = DaemonProcess::record(&seen, &booked);
         assert_eq!(entry["matched_blocks"], 6, "{entry}");
         assert_eq!(entry["indexed_blocks"], 0, "{entry}");
         // Another request waits behind the booked prefill there (the booked request's
         // own continuation would not: it needs that prefill wherever it goes).
         let behind = other.lookup(&keys(&prompt(90, 2)));
-        let pending = behind["endpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["endpoint"] == booked.as_str())
-            .unwrap()["pending_prefill_tokens"]
+        let pending = DaemonProcess::record(&behind, &booked)["pending_prefill_tokens"]
             .as_u64()
             .unwrap();
         assert!(pending > 0, "{behind}");
@@ -1129,12 +1112,7 @@ fn peered_daemons_hold_each_others_bookings() {
         [A, B]
             .iter()
             .map(|name| {
-                answer["endpoints"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .find(|e| e["endpoint"] == *name)
-                    .unwrap()["pending_prefill_tokens"]
+                DaemonProcess::record(&answer, name)["pending_prefill_tokens"]
                     .as_u64()
                     .unwrap()
             })

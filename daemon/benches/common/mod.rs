@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::Duration;
 
+use kvaffine_core::events::{EventFormat, encode_batch};
 use kvaffine_core::{HashAlgo, KeyConfig, VllmCompat};
 use kvaffined::config::{EndpointSpec, Settings};
 use kvaffined::index::Slot;
@@ -109,4 +110,26 @@ pub fn endpoint(n: usize) -> Arc<Endpoint> {
         stop: AtomicBool::new(true),
         ingest: Mutex::new(None),
     })
+}
+
+/// `batches` encoded batches of 8 new prompts x 8 64-token blocks, as a replica publishes
+/// them (the same every run).
+pub fn payloads(keys: &KeyConfig, batches: usize) -> Vec<Vec<u8>> {
+    let mut rng = Rng(77);
+    (0..batches)
+        .map(|b| {
+            let events = (0..8)
+                .map(|_| {
+                    let tokens: Vec<u32> = (0..8 * BLOCK_SIZE)
+                        .map(|_| (rng.next() % 151_936) as u32)
+                        .collect();
+                    vllm_emu::publisher::stored_prompt(keys, tokens)
+                })
+                .collect();
+            encode_batch(
+                &vllm_emu::publisher::batch_of(events, b as f64),
+                EventFormat::Map,
+            )
+        })
+        .collect()
 }

@@ -167,6 +167,15 @@ impl DaemonProcess {
             .unwrap()
     }
 
+    /// `endpoint`'s record in a protocol-1 lookup `answer`.
+    pub fn record(answer: &Value, endpoint: &str) -> Value {
+        answer["endpoints"]
+            .as_array()
+            .and_then(|all| all.iter().find(|e| e["endpoint"] == endpoint))
+            .cloned()
+            .unwrap_or_else(|| panic!("{endpoint} not in {answer}"))
+    }
+
     pub fn endpoint_status(&self, endpoint: &str) -> Value {
         let (_, value) = self.json("GET", "/v1/endpoints", "");
         value["endpoints"]

@@ -9,10 +9,10 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kvaffine_core::events::{BlockStored, EngineHash, EventBatch, KvEvent};
-use kvaffine_core::{HashAlgo, KeyConfig, KeyExtras, VllmCompat};
+use kvaffine_core::events::EventBatch;
+use kvaffine_core::{HashAlgo, KeyConfig, VllmCompat};
 use vllm_emu::harness::{binary, http, spawn_announcing};
-use vllm_emu::publisher::{EventPublisher, PublisherConfig};
+use vllm_emu::publisher::{EventPublisher, PublisherConfig, batch_of, stored_prompt};
 
 const BLOCK_SIZE: usize = 16;
 /// Publishers per ZMQ context: each takes four sockets, libzmq allows 1,023 per context.
@@ -30,28 +30,10 @@ fn batch(keys: &KeyConfig, seed: u64, prompts: usize, blocks: usize) -> EventBat
             let tokens: Vec<u32> = (0..(blocks * BLOCK_SIZE) as u64)
                 .map(|t| ((seed * 1_000_003 + p * 7919 + t * 104_729) % 151_936) as u32)
                 .collect();
-            let digests = keys.digests(&KeyExtras::default(), &tokens);
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: digests
-                    .iter()
-                    .map(|d| EngineHash::Int(d.block_key().0))
-                    .collect(),
-                token_ids: tokens,
-                block_size: BLOCK_SIZE as u64,
-                medium: Some("GPU".into()),
-                extra_keys: Some(vec![None; blocks]),
-                group_idx: Some(0),
-                kv_cache_spec_kind: Some("full_attention".into()),
-                ..BlockStored::default()
-            })
+            stored_prompt(keys, tokens)
         })
         .collect();
-    EventBatch {
-        ts: 0.0,
-        events,
-        data_parallel_rank: Some(0),
-        skipped_unknown: 0,
-    }
+    batch_of(events, 0.0)
 }
 
 /// `key`'s value in `/proc/{pid}/status` (e.g. `VmRSS`, `Threads`), first number.

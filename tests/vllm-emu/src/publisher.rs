@@ -9,7 +9,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
-use kvaffine_core::events::{self, EventBatch, EventFormat};
+use kvaffine_core::events::{self, BlockStored, EngineHash, EventBatch, EventFormat, KvEvent};
+use kvaffine_core::{KeyConfig, KeyExtras};
 
 /// vLLM's default `buffer_steps`: batches kept for replay.
 pub const DEFAULT_BUFFER_STEPS: usize = 10_000;
@@ -226,5 +227,35 @@ fn serve(
                 let _ = router.send_multipart(events::replay_end_frames(identity), 0);
             }
         }
+    }
+}
+
+/// A fresh prompt's `BlockStored`, as vLLM publishes it once prefilled: every full block
+/// of `tokens` from the first, keyed with `keys`, engine hashes equal to the block keys.
+/// For benchmarks and tests that publish without an engine.
+pub fn stored_prompt(keys: &KeyConfig, tokens: Vec<u32>) -> KvEvent {
+    let digests = keys.digests(&KeyExtras::default(), &tokens);
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: digests
+            .iter()
+            .map(|d| EngineHash::Int(d.block_key().0))
+            .collect(),
+        extra_keys: Some(vec![None; digests.len()]),
+        token_ids: tokens,
+        block_size: keys.block_size() as u64,
+        medium: Some("GPU".into()),
+        group_idx: Some(0),
+        kv_cache_spec_kind: Some("full_attention".into()),
+        ..BlockStored::default()
+    })
+}
+
+/// `events` as one batch of data-parallel rank 0, stamped `ts`.
+pub fn batch_of(events: Vec<KvEvent>, ts: f64) -> EventBatch {
+    EventBatch {
+        ts,
+        events,
+        data_parallel_rank: Some(0),
+        skipped_unknown: 0,
     }
 }

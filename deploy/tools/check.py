@@ -952,7 +952,8 @@ def endpoints_schema(config_fields, spec_fields):
     top = {"endpoints": {"type": "array", "items": {
                "type": "object", "properties": spec_props, "additionalProperties": False,
                "required": sorted(f["name"] for f in spec_fields if not f["default"])}},
-           "discover": {"type": "array", "items": hostport}}
+           "discover": {"type": "array", "items": hostport},
+           "peers": {"type": "array", "items": hostport}}
     if {f["name"] for f in config_fields} != set(top):
         fail("daemon/src/config.rs", "ConfigFile's fields changed: update deploy/tools/check.py")
     return jsonschema.Draft7Validator({"type": "object", "properties": top, "additionalProperties": False})

@@ -156,7 +156,7 @@ fn bits(mut word: u64) -> impl Iterator<Item = usize> {
 /// or a handle to a record of up to eight or to a bitmap in a [`Spill`]. Always the first
 /// of these that fits, so an empty set is 0 and equal sets pack alike. Read and changed
 /// only through the [`Spill`] of the table that holds it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Holders(u64);
 
 /// How a [`Holders`] word is read: its top bits say.
@@ -214,49 +214,80 @@ impl Holders {
     }
 }
 
-/// Records and bitmaps of a table, reused once freed.
+/// Records and bitmaps of a table, interned: keys with the same holders (every block of a
+/// prefix the same replicas cached) share one, counted, so a walk along a prefix reads the
+/// same cache line for every key, and a shared set costs its bytes once. A set in use is
+/// never changed in place: a key that gains or loses a holder moves to another.
 #[derive(Debug)]
 struct Arena<T> {
-    items: Vec<T>,
+    /// Each place's set and how many keys use it (0: free).
+    items: Vec<(T, u32)>,
     free: Vec<u32>,
+    /// Where each set in use is.
+    places: std::collections::HashMap<T, u32, foldhash::fast::FixedState>,
 }
 
-impl<T> Arena<T> {
+impl<T: Copy + Eq + std::hash::Hash> Arena<T> {
     const fn new() -> Self {
         Self {
             items: Vec::new(),
             free: Vec::new(),
+            places: std::collections::HashMap::with_hasher(foldhash::fast::FixedState::with_seed(
+                0x6b76_6166_6669_6e65,
+            )),
         }
     }
 
-    /// Stores `item`, in a freed place if there is one.
-    fn alloc(&mut self, item: T) -> usize {
-        match self.free.pop() {
+    /// The place of `item`, now used by one more key.
+    fn intern(&mut self, item: T) -> usize {
+        if let Some(&i) = self.places.get(&item) {
+            if let Some((_, uses)) = self.items.get_mut(i as usize) {
+                *uses += 1;
+            }
+            return i as usize;
+        }
+        let i = match self.free.pop() {
             Some(i) => {
-                let i = i as usize;
-                if let Some(place) = self.items.get_mut(i) {
-                    *place = item;
+                if let Some(place) = self.items.get_mut(i as usize) {
+                    *place = (item, 1);
                 }
                 i
             }
             None => {
-                self.items.push(item);
-                self.items.len() - 1
+                self.items.push((item, 1));
+                (self.items.len() - 1) as u32
             }
+        };
+        self.places.insert(item, i);
+        i as usize
+    }
+
+    /// Place `i` is used by one key fewer; freed when none uses it.
+    fn release(&mut self, i: usize) {
+        let Some((item, uses)) = self.items.get_mut(i) else {
+            return;
+        };
+        *uses = uses.saturating_sub(1);
+        if *uses == 0 {
+            self.places.remove(item);
+            self.free.push(i as u32);
         }
     }
 
-    fn release(&mut self, i: usize) {
-        self.free.push(i as u32);
+    fn get(&self, i: usize) -> Option<&T> {
+        self.items.get(i).map(|(item, _)| item)
     }
 
+    /// Sets in use.
     fn live(&self) -> usize {
-        self.items.len() - self.free.len()
+        self.places.len()
     }
 
     fn bytes(&self) -> usize {
-        self.items.capacity() * std::mem::size_of::<T>()
+        let place = std::mem::size_of::<(T, u32)>();
+        self.items.capacity() * place
             + self.free.capacity() * std::mem::size_of::<u32>()
+            + self.places.capacity() * (std::mem::size_of::<(T, u32)>() + 1) * 8 / 7
     }
 }
 
@@ -292,16 +323,6 @@ impl Spill {
                 holders.0 |= slot.bit();
                 new
             }
-            Kind::Bitmap(i) => self
-                .bitmaps
-                .items
-                .get_mut(i)
-                .and_then(|set| set.get_mut(slot.word()))
-                .is_some_and(|w| {
-                    let new = *w & slot.bit() == 0;
-                    *w |= slot.bit();
-                    new
-                }),
             _ => {
                 let mut set = self.expand(*holders);
                 let new = set.insert(slot);
@@ -333,14 +354,9 @@ impl Spill {
         match holders.kind() {
             Kind::Mask => slot.index() < MASK_SLOTS && holders.0 & slot.bit() != 0,
             Kind::Inline => holders.inline().any(|s| s == slot),
-            Kind::Record(i) => self
-                .records
-                .items
-                .get(i)
-                .is_some_and(|r| r.contains(&slot.0)),
+            Kind::Record(i) => self.records.get(i).is_some_and(|r| r.contains(&slot.0)),
             Kind::Bitmap(i) => self
                 .bitmaps
-                .items
                 .get(i)
                 .and_then(|set| set.get(slot.word()))
                 .is_some_and(|w| w & slot.bit() != 0),
@@ -355,14 +371,14 @@ impl Spill {
                 set.insert(s);
             }),
             Kind::Record(i) => {
-                for id in self.records.items.get(i).into_iter().flatten() {
+                for id in self.records.get(i).into_iter().flatten() {
                     if let Some(s) = Slot::new(usize::from(*id)) {
                         set.insert(s);
                     }
                 }
             }
             Kind::Bitmap(i) => {
-                for (w, bits) in self.bitmaps.items.get(i).into_iter().flatten().enumerate() {
+                for (w, bits) in self.bitmaps.get(i).into_iter().flatten().enumerate() {
                     set.or_word(w, *bits);
                 }
             }
@@ -381,14 +397,12 @@ impl Spill {
             Kind::Inline => low(&mut holders.inline()),
             Kind::Record(i) => low(&mut self
                 .records
-                .items
                 .get(i)
                 .into_iter()
                 .flatten()
                 .filter_map(|id| Slot::new(usize::from(*id)))),
             Kind::Bitmap(i) => self
                 .bitmaps
-                .items
                 .get(i)
                 .map_or(0, |set| set.first().copied().unwrap_or(0)),
         }
@@ -424,8 +438,7 @@ impl Spill {
         set
     }
 
-    /// `set` packed in the first form that fits, reusing `old`'s place in the spill when
-    /// it still takes that form.
+    /// `set` packed in the first form that fits, `old` released.
     fn pack(&mut self, set: &SlotSet, old: Holders) -> Holders {
         let high = set.words.iter().skip(1).any(|w| *w != 0) || set.word(0) >> MASK_SLOTS != 0;
         let len = set.len();
@@ -440,38 +453,19 @@ impl Spill {
             }
             return Holders(packed);
         }
-        if len <= RECORD {
+        // The new set is interned before the old one is released, so a set that did not
+        // change keeps its place.
+        let packed = if len <= RECORD {
             let mut record = [NO_SLOT; RECORD];
             for (place, slot) in record.iter_mut().zip(set.iter()) {
                 *place = slot.0;
             }
-            let i = match old.kind() {
-                Kind::Record(i) => {
-                    if let Some(place) = self.records.items.get_mut(i) {
-                        *place = record;
-                    }
-                    i
-                }
-                _ => {
-                    self.release(old);
-                    self.records.alloc(record)
-                }
-            };
-            return Holders(RECORD_TAG | i as u64);
-        }
-        let i = match old.kind() {
-            Kind::Bitmap(i) => {
-                if let Some(place) = self.bitmaps.items.get_mut(i) {
-                    *place = set.words;
-                }
-                i
-            }
-            _ => {
-                self.release(old);
-                self.bitmaps.alloc(set.words)
-            }
+            Holders(RECORD_TAG | self.records.intern(record) as u64)
+        } else {
+            Holders(BITMAP_TAG | self.bitmaps.intern(set.words) as u64)
         };
-        Holders(BITMAP_TAG | i as u64)
+        self.release(old);
+        packed
     }
 }
 
@@ -537,10 +531,10 @@ impl HeldBy for HolderView<'_> {
     fn touch(&self) {
         match self.holders.kind() {
             Kind::Record(i) => {
-                std::hint::black_box(self.spill.records.items.get(i).map(|r| r[0]));
+                std::hint::black_box(self.spill.records.get(i).map(|r| r[0]));
             }
             Kind::Bitmap(i) => {
-                std::hint::black_box(self.spill.bitmaps.items.get(i).map(|b| b[0]));
+                std::hint::black_box(self.spill.bitmaps.get(i).map(|b| b[0]));
             }
             Kind::Mask | Kind::Inline => {}
         }
@@ -550,12 +544,12 @@ impl HeldBy for HolderView<'_> {
     fn retain(&self, live: &mut Vec<Slot>, dropped: impl FnMut(Slot)) {
         match self.holders.kind() {
             Kind::Record(i) => {
-                let record = self.spill.records.items.get(i).copied();
+                let record = self.spill.records.get(i).copied();
                 let record = record.unwrap_or([NO_SLOT; RECORD]);
                 keep(live, |slot| record.contains(&slot.0), dropped);
             }
             Kind::Bitmap(i) => {
-                let bitmap = self.spill.bitmaps.items.get(i);
+                let bitmap = self.spill.bitmaps.get(i);
                 let held = |slot: Slot| {
                     bitmap
                         .and_then(|b| b.get(slot.word()))
@@ -817,6 +811,37 @@ mod tests {
     }
 
     #[test]
+    fn keys_with_the_same_holders_share_one_record_until_one_changes() {
+        let mut spill = Spill::default();
+        let mut keys = [Holders::default(); 3];
+        for h in keys.iter_mut() {
+            for n in [100, 200, 300, 400, 500, 600] {
+                spill.insert(h, slot(n));
+            }
+        }
+        assert_eq!(keys[0], keys[2], "one record");
+        assert_eq!(spill.len(), 1);
+        spill.insert(&mut keys[1], slot(700));
+        assert_ne!(keys[1], keys[0]);
+        assert!(
+            !spill.contains(keys[0], slot(700)),
+            "the others keep theirs"
+        );
+        assert!(spill.contains(keys[1], slot(700)));
+        assert_eq!(spill.len(), 2);
+        spill.remove(&mut keys[1], slot(700));
+        assert_eq!(
+            (keys[1], spill.len()),
+            (keys[0], 1),
+            "back to the shared one"
+        );
+        for h in keys {
+            spill.release(h);
+        }
+        assert!(spill.is_empty());
+    }
+
+    #[test]
     fn slot_sets_find_their_first_gap() {
         let mut set: SlotSet = (0..70).filter_map(Slot::new).collect();
         assert_eq!(set.first_absent(), Some(slot(70)));
@@ -865,11 +890,19 @@ mod tests {
                     assert_eq!(got.get(*n), want, "fleet of {}, slot {n}", fleet.len());
                 }
             }
-            let live = table
+            let live: std::collections::HashSet<Holders> = table
                 .values()
                 .filter(|h| matches!(h.kind(), Kind::Record(_) | Kind::Bitmap(_)))
-                .count();
-            assert_eq!(spill.len(), live, "nothing spilled leaks");
+                .copied()
+                .collect();
+            assert_eq!(spill.len(), live.len(), "nothing spilled leaks");
+            for (place, (_, uses)) in spill.records.items.iter().enumerate() {
+                let users = table
+                    .values()
+                    .filter(|h| h.kind() == Kind::Record(place))
+                    .count();
+                assert_eq!(*uses as usize, users, "record {place}'s count");
+            }
         }
     }
 }

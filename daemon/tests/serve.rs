@@ -973,6 +973,13 @@ fn salt_probes_answer_from_first_blocks_and_bookings() {
 #[test]
 fn one_daemon_follows_a_thousand_and_twenty_four_streams() {
     const STREAMS: usize = kvaffined::slots::MAX_SLOTS;
+    // The publishers take about five descriptors each, past many hosts' soft limit.
+    let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap();
+    assert!(
+        limit >= 8 * STREAMS as u64,
+        "this test needs {} open files; the hard limit is {limit}",
+        8 * STREAMS
+    );
     // A publisher takes four sockets; libzmq allows 1,023 per context.
     let contexts: Vec<zmq::Context> = (0..STREAMS / 128).map(|_| zmq::Context::new()).collect();
     let publishers: Vec<EventPublisher> = (0..STREAMS)

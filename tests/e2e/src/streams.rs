@@ -85,6 +85,8 @@ fn wait(what: &str, bound: Duration, mut done: impl FnMut() -> bool) -> anyhow::
 
 /// Follows `streams` publishers and measures; returns a markdown table.
 pub fn run(streams: usize) -> anyhow::Result<String> {
+    // The publishers take about five descriptors each, past many hosts' soft limit.
+    rlimit::increase_nofile_limit(u64::MAX)?;
     let keys = KeyConfig::new(HashAlgo::Sha256Cbor, BLOCK_SIZE, None, VllmCompat::V0_31)?;
     let contexts: Vec<zmq::Context> = (0..streams.div_ceil(PUBLISHERS_PER_CONTEXT))
         .map(|_| zmq::Context::new())

@@ -106,7 +106,7 @@ pub struct Metrics {
     pub bookings_refused: Counter,
     /// Bookings shared with peers and taken from them, by outcome.
     pub peer_bookings: Family<PeerLabel, Counter>,
-    /// Peers bookings were last sent to.
+    /// Peers bookings go to, as the last discovery poll read them.
     pub peers: Gauge,
     /// Tokens the filter predicted cached, per replica (its reported outcomes).
     pub outcome_predicted: Family<EndpointLabel, Counter>,
@@ -216,7 +216,7 @@ impl Default for Metrics {
         );
         registry.register(
             "peers",
-            "Peers (--peer and the config file's peers) the last bookings were sent to",
+            "Peers bookings go to (--peer and the config file's peers), as last read",
             peers.clone(),
         );
         registry.register(

@@ -169,7 +169,6 @@ async fn forward(
         }
         let sent = batch.len() as u64;
         let peers = peers.current();
-        daemon.metrics.peers.set(peers.len() as i64);
         let body = match serde_json::to_vec(&PeerBookings { bookings: batch }) {
             Ok(body) => axum::body::Bytes::from(body),
             Err(_) => continue,

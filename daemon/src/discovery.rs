@@ -278,8 +278,15 @@ const PROBES_AT_ONCE: usize = 32;
 
 /// How long `replica`'s answer is reused: [`SOURCES_FRESH_FOR`], spread by its address.
 fn fresh_for(replica: &str) -> Duration {
-    let hash = std::hash::BuildHasher::hash_one(&foldhash::fast::FixedState::default(), replica);
-    SOURCES_FRESH_FOR.mul_f64(0.75 + (hash % 1024) as f64 / 2048.0)
+    SOURCES_FRESH_FOR.mul_f64(0.75 + spread(replica) / 2.0)
+}
+
+/// A fraction in (0, 1] fixed by `address`: periodic work for a fleet followed at once
+/// (asking for its event sources, scraping it) is spread over its period by it instead
+/// of running in one burst.
+pub fn spread(address: &str) -> f64 {
+    let hash = std::hash::BuildHasher::hash_one(&foldhash::fast::FixedState::default(), address);
+    (1 + hash % 1024) as f64 / 1024.0
 }
 
 /// Replicas' `/kv_event_sources` answers, shared by every discovery source and asked

@@ -138,13 +138,8 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
     let interval = daemon.settings.scrape_interval;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Scraped at once when followed, then at a phase of its own within the interval (by a
-    // hash of its address): a fleet followed together is not scraped in one burst.
-    let hash = std::hash::BuildHasher::hash_one(
-        &foldhash::fast::FixedState::default(),
-        &endpoint.spec.endpoint,
-    );
-    let phase = interval.mul_f64((1 + hash % 1024) as f64 / 1024.0);
+    // Scraped at once when followed, then at a phase of its own within the interval.
+    let phase = interval.mul_f64(crate::discovery::spread(&endpoint.spec.endpoint));
     let mut first = true;
     while !endpoint.stop.load(Ordering::Relaxed) {
         ticker.tick().await;

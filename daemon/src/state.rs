@@ -204,6 +204,8 @@ struct Replica {
     record: EndpointMatch,
     /// The slot of its best-matching data-parallel rank: where a booking goes.
     best_slot: Slot,
+    /// That rank's number (what a peer knows the slot by).
+    best_rank: u32,
     /// That slot's window groups, if it has any.
     windows: Option<Windows>,
     /// The model its metrics name, if scraped.
@@ -695,6 +697,7 @@ impl Daemon {
                     replicas.push(Replica {
                         record: stream,
                         best_slot: endpoint.slot,
+                        best_rank: endpoint.spec.rank,
                         windows: matches.windows.get(slot).copied().flatten(),
                         model: status.model.clone(),
                         speed: speeds.get(slot).copied().unwrap_or_default().speed(),
@@ -703,6 +706,7 @@ impl Daemon {
                 Some(replica) => {
                     if stream.matched_blocks > replica.record.matched_blocks {
                         replica.best_slot = endpoint.slot;
+                        replica.best_rank = endpoint.spec.rank;
                         replica.windows = matches.windows.get(slot).copied().flatten();
                     }
                     replica.record.merge_rank(stream);
@@ -767,7 +771,7 @@ impl Daemon {
             },
         };
         self.hold(slot, &record.endpoint, work as u64, &held, now, now + ttl);
-        self.share(slot, work as u64, ttl, held);
+        self.share(&record.endpoint, replica.best_rank, work as u64, ttl, held);
         Some(record.endpoint.clone())
     }
 
@@ -815,21 +819,12 @@ impl Daemon {
     }
 
     /// Queues a booking held here for the peers, if there are any.
-    fn share(&self, slot: Slot, work: u64, ttl: std::time::Duration, held: Held) {
+    fn share(&self, endpoint: &str, rank: u32, work: u64, ttl: std::time::Duration, held: Held) {
         let Some(peers) = self.peers.get() else {
             return;
         };
-        let Some((endpoint, rank)) = self
-            .endpoints
-            .read()
-            .iter()
-            .find(|e| e.slot == slot)
-            .map(|e| (e.spec.endpoint.clone(), e.spec.rank))
-        else {
-            return;
-        };
         let booking = PeerBooking {
-            endpoint,
+            endpoint: endpoint.to_owned(),
             rank,
             work,
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
@@ -992,7 +987,7 @@ impl Daemon {
             now,
             now + ttl,
         );
-        self.share(replica.best_slot, work as u64, ttl, held);
+        self.share(endpoint, replica.best_rank, work as u64, ttl, held);
         Some(endpoint.clone())
     }
 }

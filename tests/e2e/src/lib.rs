@@ -89,6 +89,8 @@ pub struct StackConfig {
     pub gateway_env: Vec<(String, String)>,
     /// kvaffined instances, active-active behind the `kvaffined` cluster.
     pub daemons: usize,
+    /// A running kvaffined to ask instead of starting one (another gateway's).
+    pub index: Option<String>,
     /// Gateway port (0: any).
     pub gateway_port: u16,
     /// Show the servers' logs.
@@ -107,6 +109,7 @@ impl Default for StackConfig {
             daemon_args: Vec::new(),
             gateway_env: Vec::new(),
             daemons: 1,
+            index: None,
             gateway_port: 0,
             verbose: false,
         }
@@ -231,31 +234,50 @@ pub fn ecds_yaml(filter: &Value, wasm: &Path) -> anyhow::Result<String> {
         .replace("{{WASM_PATH}}", &wasm.display().to_string()))
 }
 
+/// How the daemons of several gateways relate.
+#[derive(Clone, Debug)]
+pub enum Peers {
+    /// Each gateway has its own daemon, on its own.
+    None,
+    /// Each gateway has its own daemon, every daemon sharing its bookings with the others
+    /// through `--config` files naming the others' addresses; this is the first
+    /// daemon's file, which it must have been started with.
+    Peered(PathBuf),
+    /// Every gateway asks the first one's daemon.
+    SharedDaemon,
+}
+
 /// More gateways in front of `first`'s replicas: `count - 1` stacks of their own (a
 /// gateway and its kvaffined each, started with `config`), as several gateway pods front
-/// one pool. With `peered`, every daemon of them all shares its bookings with the others
-/// (`--config` files naming the others' addresses, written once all listen); `first`'s
-/// daemon must have been started with `--config first_peers` for that.
+/// one pool, their daemons related to `first`'s as `peers` says (the peers' files are
+/// written once all listen).
 pub fn more_gateways(
     first: &Stack,
-    first_peers: Option<&Path>,
+    peers: &Peers,
     count: usize,
     config: &StackConfig,
 ) -> anyhow::Result<Vec<Stack>> {
-    let mut files: Vec<PathBuf> = first_peers.map(Path::to_path_buf).into_iter().collect();
+    let mut files: Vec<PathBuf> = Vec::new();
     let mut others = Vec::new();
     for _ in 1..count {
         let mut config = config.clone();
-        if first_peers.is_some() {
-            let file = peers_file()?;
-            config
-                .daemon_args
-                .extend(["--config".to_owned(), file.display().to_string()]);
-            files.push(file);
+        match peers {
+            Peers::None => {}
+            Peers::Peered(first_file) => {
+                if files.is_empty() {
+                    files.push(first_file.clone());
+                }
+                let file = peers_file()?;
+                config
+                    .daemon_args
+                    .extend(["--config".to_owned(), file.display().to_string()]);
+                files.push(file);
+            }
+            Peers::SharedDaemon => config.index = Some(first.daemon_addr.clone()),
         }
         others.push(Stack::front(config, first.upstreams.clone())?);
     }
-    if first_peers.is_none() {
+    if files.is_empty() {
         return Ok(others);
     }
     let all: Vec<&Stack> = std::iter::once(first).chain(&others).collect();
@@ -400,14 +422,20 @@ impl Stack {
         dir: PathBuf,
         wasm: &Path,
     ) -> anyhow::Result<Self> {
-        let (daemon, daemon_addr) = spawn_daemon(&config, &upstreams, "127.0.0.1:0")?;
-        let spare_daemons = (1..config.daemons.max(1))
-            .map(|_| spawn_daemon(&config, &upstreams, "127.0.0.1:0"))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let (daemon, daemon_addr, spare_daemons) = match &config.index {
+            Some(addr) => (None, addr.clone(), Vec::new()),
+            None => {
+                let (daemon, addr) = spawn_daemon(&config, &upstreams, "127.0.0.1:0")?;
+                let spares = (1..config.daemons.max(1))
+                    .map(|_| spawn_daemon(&config, &upstreams, "127.0.0.1:0"))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                (Some(daemon), addr, spares)
+            }
+        };
         let mut stack = Self {
             replicas,
             upstreams,
-            daemon: Some(daemon),
+            daemon,
             daemon_addr,
             spare_daemons,
             gateway_process: None,
@@ -620,8 +648,9 @@ impl Stack {
     /// that counts on instant replicas draining their queue at once, or a benchmark of a
     /// fleet in steady state, must not start before.
     pub fn wait_speeds_measured(&self) -> anyhow::Result<()> {
-        // A scrape before the requests: the first one is kvaffined's baseline, and what
-        // finished before it is not measured.
+        // A scrape before the requests: kvaffined takes what finished before its first
+        // scrape as one sample, and two sizes in one sample cannot tell the fixed cost
+        // from the speed.
         self.wait_scraped()?;
         for replica in &self.replicas {
             for words in [25, 2100] {

@@ -333,6 +333,8 @@ pub struct Scenario {
     pub per_replica_args: Vec<Vec<String>>,
     /// KV cache capacity per replica in tokens, when the scenario limits it.
     pub kv_tokens: Option<usize>,
+    /// Extra flags for kvaffined (ranking figures fixed by hand, say).
+    pub daemon_args: Vec<String>,
 }
 
 /// `scenario` on emulated replicas serving GPT-OSS's attention layout: a sliding-window
@@ -396,15 +398,26 @@ const SYSTEM: &str = "You are a careful software agent. Think, then act.";
 pub enum Topology {
     /// One gateway, this many kvaffined active-active behind it.
     Daemons(usize),
-    /// This many gateways, each with its own kvaffined, taking the requests in turn (a
-    /// Service in front of gateway pods, no session affinity); `peered`: the daemons
-    /// share their bookings.
+    /// This many gateways taking the requests in turn (a Service in front of gateway
+    /// pods, no session affinity), their kvaffined as `daemons` says.
     Gateways {
         /// Gateways.
         count: usize,
-        /// Whether the daemons are peered.
-        peered: bool,
+        /// Which kvaffined each gateway asks.
+        daemons: GatewayDaemons,
     },
+}
+
+/// Which kvaffined each of several gateways asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatewayDaemons {
+    /// Each its own, knowing only its own bookings.
+    Own,
+    /// Each its own, the daemons sharing their bookings (`--peer`).
+    Peered,
+    /// All the first gateway's: one daemon sees every booking (the reference peering is
+    /// measured against).
+    Shared,
 }
 
 /// Runs `scenario` under `profile` on `engine`; `variant` names a profile variant (lag,
@@ -464,13 +477,18 @@ pub fn run_through<T>(
     let filter = json!({"book": book, "timeout_ms": 500});
     let model = engine.model();
     let (daemons, gateways, peers) = match topology {
-        Topology::Daemons(daemons) => (daemons, 1, None),
-        Topology::Gateways { count, peered } => {
+        Topology::Daemons(daemons) => (daemons, 1, crate::Peers::None),
+        Topology::Gateways { count, daemons } => {
             anyhow::ensure!(
                 matches!(engine, Engine::Emu { .. }),
                 "several gateways run on the emulator only"
             );
-            (1, count, peered.then(crate::peers_file).transpose()?)
+            let peers = match daemons {
+                GatewayDaemons::Peered => crate::Peers::Peered(crate::peers_file()?),
+                GatewayDaemons::Own => crate::Peers::None,
+                GatewayDaemons::Shared => crate::Peers::SharedDaemon,
+            };
+            (1, count, peers)
         }
     };
     let mut others: Vec<Stack> = Vec::new();
@@ -490,17 +508,18 @@ pub fn run_through<T>(
                 replica_args,
                 per_replica_args: scenario.per_replica_args.clone(),
                 filter,
+                daemon_args: scenario.daemon_args.clone(),
                 daemons,
                 ..StackConfig::default()
             };
             let mut first = config.clone();
-            if let Some(file) = &peers {
+            if let crate::Peers::Peered(file) = &peers {
                 first
                     .daemon_args
                     .extend(["--config".to_owned(), file.display().to_string()]);
             }
             let stack = Stack::start(first)?;
-            others = crate::more_gateways(&stack, peers.as_deref(), gateways, &config)?;
+            others = crate::more_gateways(&stack, &peers, gateways, &config)?;
             // A fleet in steady state has long been measured; a run of a few seconds
             // would otherwise be routed mostly at the speed assumed before measuring.
             for stack in std::iter::once(&stack).chain(&others) {
@@ -525,6 +544,7 @@ pub fn run_through<T>(
                 replicas,
                 StackConfig {
                     filter,
+                    daemon_args: scenario.daemon_args.clone(),
                     daemons,
                     ..StackConfig::default()
                 },
@@ -725,6 +745,7 @@ pub fn all() -> Vec<Scenario> {
         replica_args: Vec::new(),
         per_replica_args: Vec::new(),
         kv_tokens: None,
+        daemon_args: Vec::new(),
     };
     vec![
         plain(
@@ -745,6 +766,7 @@ pub fn all() -> Vec<Scenario> {
             per_replica_args: Vec::new(),
             // 256 blocks of 16 tokens.
             kv_tokens: Some(4096),
+            daemon_args: Vec::new(),
         },
         plain(
             "branching",
@@ -779,6 +801,7 @@ pub fn all() -> Vec<Scenario> {
             // Every replica runs at time scale 0.2 in these runs; this one at 0.4.
             per_replica_args: vec![vec!["--time-scale".into(), "0.4".into()]],
             kv_tokens: None,
+            daemon_args: Vec::new(),
         },
     ]
 }

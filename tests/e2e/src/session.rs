@@ -24,6 +24,8 @@ pub struct TurnResult {
     pub oracle_tokens: u64,
     /// The replica that served it.
     pub replica: String,
+    /// Why the router sent it there (`x-kvaffine-reason`), empty when it did not say.
+    pub reason: String,
     /// The assistant message, as a client carries it back.
     pub message: Value,
 }
@@ -146,6 +148,7 @@ pub async fn turn(ctx: &Ctx, body: &Value) -> TurnResult {
         cached_tokens: 0,
         oracle_tokens,
         replica: String::new(),
+        reason: String::new(),
         message: Value::Null,
     };
     let start = Instant::now();
@@ -161,12 +164,15 @@ pub async fn turn(ctx: &Ctx, body: &Value) -> TurnResult {
     if !response.status().is_success() {
         return failed(start.elapsed());
     }
-    let replica = response
-        .headers()
-        .get("x-served-by")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let (replica, reason) = (header("x-served-by"), header("x-kvaffine-reason"));
     let mut ttft = None;
     let mut raw = Vec::new();
     loop {
@@ -224,6 +230,7 @@ pub async fn turn(ctx: &Ctx, body: &Value) -> TurnResult {
             .unwrap_or(0),
         oracle_tokens,
         replica,
+        reason,
         message,
     }
 }

@@ -136,17 +136,14 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
         .scrape_interval
         .max(std::time::Duration::from_millis(200));
     let interval = daemon.settings.scrape_interval;
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Scraped at once when followed, then at a phase of its own within the interval.
     let phase = interval.mul_f64(crate::discovery::spread(&endpoint.spec.endpoint));
     let mut first = true;
     while !endpoint.stop.load(Ordering::Relaxed) {
-        ticker.tick().await;
-        if first {
-            first = false;
-            ticker.reset_at(tokio::time::Instant::now() + phase);
+        if !first {
+            tokio::time::sleep(until_phase(since_epoch(), interval, phase)).await;
         }
+        first = false;
         // `/metrics` answers as long as the HTTP server lives; `/health` says whether the
         // engine behind it does (vLLM answers 503 once its engine core is dead). Both at
         // once: a slow replica costs one timeout, not two.
@@ -226,6 +223,29 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
     }
 }
 
+/// The wall clock's time since the Unix epoch (zero if it is set before it).
+fn since_epoch() -> std::time::Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
+/// How long from `now` (since the epoch) to the next instant `phase` into a period of
+/// `interval` on the wall clock, a whole interval if that is now. Phases are kept on the
+/// wall clock, not from the daemon's start, so peered daemons scrape a replica at the
+/// same instants: they see the same requests finish between two scrapes, learn the same
+/// prefill speeds and rank alike (`bench gateways`, `docs/benchmarks/scale.md`).
+fn until_phase(
+    now: std::time::Duration,
+    interval: std::time::Duration,
+    phase: std::time::Duration,
+) -> std::time::Duration {
+    let period = interval.as_nanos().max(1);
+    let wait = (phase.as_nanos() % period + period - now.as_nanos() % period) % period;
+    let wait = if wait == 0 { period } else { wait };
+    std::time::Duration::from_nanos(u64::try_from(wait).unwrap_or(u64::MAX))
+}
+
 /// Why the replica's cache settings do not match the daemon's, if they do not.
 fn mismatch(daemon: &Daemon, scrape: &Scrape) -> Option<String> {
     let keys = &daemon.settings.keys;
@@ -252,6 +272,20 @@ fn mismatch(daemon: &Daemon, scrape: &Scrape) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scrapes_keep_their_phase_on_the_wall_clock_whenever_the_last_one_ended() {
+        let ms = std::time::Duration::from_millis;
+        let interval = ms(500);
+        let phase = ms(120);
+        // Two daemons started apart, and a scrape that ended late, all wait for the same
+        // instants: 120 ms into each half second.
+        assert_eq!(until_phase(ms(1_000_000), interval, phase), ms(120));
+        assert_eq!(until_phase(ms(1_000_007), interval, phase), ms(113));
+        assert_eq!(until_phase(ms(1_000_130), interval, phase), ms(490));
+        assert_eq!(until_phase(ms(1_000_620), interval, phase), ms(500));
+        assert_eq!(until_phase(ms(1_000_619), interval, phase), ms(1));
+    }
 
     #[test]
     fn reads_load_model_and_cache_config_from_vllm_metrics() {

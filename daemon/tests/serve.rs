@@ -1166,3 +1166,120 @@ fn peered_daemons_hold_each_others_bookings() {
     assert_eq!(status, 400);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A replica's HTTP server that only notes when `/metrics` is asked (milliseconds of the
+/// wall clock) and answers every request with an empty 200.
+fn scrape_recorder() -> (String, std::sync::Arc<std::sync::Mutex<Vec<f64>>>) {
+    use std::io::{BufRead, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let noted = asked.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let noted = noted.clone();
+            std::thread::spawn(move || {
+                let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+                let mut writer = stream;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    if line.starts_with("GET /metrics") {
+                        noted.lock().unwrap().push(now_ms());
+                    }
+                    loop {
+                        let mut header = String::new();
+                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if header.trim_end().is_empty() {
+                            break;
+                        }
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                    if writer.write_all(answer).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, asked)
+}
+
+fn now_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        * 1e3
+}
+
+/// `ms` into a period of `period` ms, relative to `origin`'s place in it, in
+/// (-period / 2, period / 2].
+fn phase(ms: f64, origin: f64, period: f64) -> f64 {
+    let d = (ms - origin).rem_euclid(period);
+    if d > period / 2.0 { d - period } else { d }
+}
+
+/// A replica is scraped at a phase of the wall clock that its address fixes, not at one
+/// that depends on when the daemon started: peered daemons, or one restarted, see the
+/// same requests finish between two scrapes and learn the same prefill speeds
+/// (`docs/daemon.md`, several gateways). Two daemons are run one after the other, the
+/// second started half an interval later in the period than the first.
+#[test]
+fn every_daemon_scrapes_a_replica_at_the_same_phase_of_the_wall_clock() {
+    const INTERVAL_MS: f64 = 400.0;
+    let (replica, asked) = scrape_recorder();
+    let ctx = zmq::Context::new();
+    let events = publisher(&ctx);
+    let flag = endpoint_flag(&replica, &events);
+    let interval = INTERVAL_MS.to_string();
+    let args = ["--endpoint", &flag, "--scrape-interval-ms", &interval];
+    // (when it was started, its first scrape, the median phase of its next ones relative
+    // to the first daemon's).
+    let mut runs: Vec<(f64, f64, f64)> = Vec::new();
+    for _ in 0..2 {
+        if let Some(&(started, _, _)) = runs.first() {
+            // The second is started when the wall clock is half an interval past where
+            // the first was started in the period: a phase kept from the start would
+            // be half an interval off.
+            let wait = (started + INTERVAL_MS / 2.0 - now_ms()).rem_euclid(INTERVAL_MS);
+            std::thread::sleep(std::time::Duration::from_secs_f64(wait / 1e3));
+        }
+        asked.lock().unwrap().clear();
+        let started = now_ms();
+        let daemon = DaemonProcess::start(&args);
+        wait_for("a scrape at once and four at its phase", || {
+            asked.lock().unwrap().len() >= 5
+        });
+        drop(daemon);
+        let times = asked.lock().unwrap().clone();
+        let origin = runs.first().map_or(times[1], |r| r.2);
+        let mut phases: Vec<f64> = times[1..5]
+            .iter()
+            .map(|&t| phase(t, origin, INTERVAL_MS))
+            .collect();
+        phases.sort_by(f64::total_cmp);
+        let median = origin + (phases[1] + phases[2]) / 2.0;
+        for p in &phases {
+            assert!(
+                (p - (median - origin)).abs() < INTERVAL_MS / 10.0,
+                "a scrape off its phase: {phases:?}"
+            );
+        }
+        runs.push((started, times[0], median));
+    }
+    let (first, second) = (runs[0], runs[1]);
+    assert!(
+        phase(second.1, first.1, INTERVAL_MS).abs() > INTERVAL_MS / 4.0,
+        "the daemons' first scrapes fell at the same phase by chance: {runs:?}"
+    );
+    assert!(
+        phase(second.2, first.2, INTERVAL_MS).abs() < INTERVAL_MS / 10.0,
+        "the second daemon scraped {:.0} ms off the first's phase: {runs:?}",
+        phase(second.2, first.2, INTERVAL_MS)
+    );
+}

@@ -379,6 +379,11 @@ impl Daemon {
         used.first_absent()
     }
 
+    /// Whether bookings go to peers as last read (`--peer`, the config file's `peers`).
+    pub fn has_peers(&self) -> bool {
+        self.metrics.peers.get() > 0
+    }
+
     /// A replica's measured speed may have changed (a scraper just read its metrics): the
     /// speeds are refreshed now, or by [`refresh_stale_speeds`](Self::refresh_stale_speeds)
     /// within [`SPEED_REFRESH_GAP`] if they were refreshed less than that ago. A refresh

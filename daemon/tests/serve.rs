@@ -1224,34 +1224,25 @@ fn phase(ms: f64, origin: f64, period: f64) -> f64 {
     if d > period / 2.0 { d - period } else { d }
 }
 
-/// A replica is scraped at a phase of the wall clock that its address fixes, not at one
-/// that depends on when the daemon started: peered daemons, or one restarted, see the
-/// same requests finish between two scrapes and learn the same prefill speeds
-/// (`docs/daemon.md`, several gateways). Two daemons are run one after the other, the
-/// second started half an interval later in the period than the first.
-#[test]
-fn every_daemon_scrapes_a_replica_at_the_same_phase_of_the_wall_clock() {
-    const INTERVAL_MS: f64 = 400.0;
-    let (replica, asked) = scrape_recorder();
-    let ctx = zmq::Context::new();
-    let events = publisher(&ctx);
-    let flag = endpoint_flag(&replica, &events);
-    let interval = INTERVAL_MS.to_string();
-    let args = ["--endpoint", &flag, "--scrape-interval-ms", &interval];
-    // (when it was started, its first scrape, the median phase of its next ones relative
-    // to the first daemon's).
+/// Two daemons with `args` following `replica` one after the other, the second started
+/// half an interval later in the period than the first: how far apart in the period their
+/// first scrapes (at once when followed) and their periodic ones fell.
+fn scrape_phases_apart(
+    replica: &str,
+    asked: &std::sync::Mutex<Vec<f64>>,
+    interval_ms: f64,
+    args: &[&str],
+) -> (f64, f64) {
+    // (when it was started, its first scrape, the median of its next ones' phases).
     let mut runs: Vec<(f64, f64, f64)> = Vec::new();
     for _ in 0..2 {
         if let Some(&(started, _, _)) = runs.first() {
-            // The second is started when the wall clock is half an interval past where
-            // the first was started in the period: a phase kept from the start would
-            // be half an interval off.
-            let wait = (started + INTERVAL_MS / 2.0 - now_ms()).rem_euclid(INTERVAL_MS);
+            let wait = (started + interval_ms / 2.0 - now_ms()).rem_euclid(interval_ms);
             std::thread::sleep(std::time::Duration::from_secs_f64(wait / 1e3));
         }
         asked.lock().unwrap().clear();
         let started = now_ms();
-        let daemon = DaemonProcess::start(&args);
+        let daemon = DaemonProcess::start(args);
         wait_for("a scrape at once and four at its phase", || {
             asked.lock().unwrap().len() >= 5
         });
@@ -1260,26 +1251,60 @@ fn every_daemon_scrapes_a_replica_at_the_same_phase_of_the_wall_clock() {
         let origin = runs.first().map_or(times[1], |r| r.2);
         let mut phases: Vec<f64> = times[1..5]
             .iter()
-            .map(|&t| phase(t, origin, INTERVAL_MS))
+            .map(|&t| phase(t, origin, interval_ms))
             .collect();
         phases.sort_by(f64::total_cmp);
-        let median = origin + (phases[1] + phases[2]) / 2.0;
+        let median = (phases[1] + phases[2]) / 2.0;
         for p in &phases {
             assert!(
-                (p - (median - origin)).abs() < INTERVAL_MS / 10.0,
-                "a scrape off its phase: {phases:?}"
+                (p - median).abs() < interval_ms / 10.0,
+                "{replica}: a scrape off its phase: {phases:?}"
             );
         }
-        runs.push((started, times[0], median));
+        runs.push((started, times[0], origin + median));
     }
     let (first, second) = (runs[0], runs[1]);
-    assert!(
-        phase(second.1, first.1, INTERVAL_MS).abs() > INTERVAL_MS / 4.0,
-        "the daemons' first scrapes fell at the same phase by chance: {runs:?}"
-    );
-    assert!(
-        phase(second.2, first.2, INTERVAL_MS).abs() < INTERVAL_MS / 10.0,
-        "the second daemon scraped {:.0} ms off the first's phase: {runs:?}",
-        phase(second.2, first.2, INTERVAL_MS)
-    );
+    (
+        phase(second.1, first.1, interval_ms),
+        phase(second.2, first.2, interval_ms),
+    )
+}
+
+/// A daemon with peers scrapes a replica at a phase of the wall clock that the replica's
+/// address fixes, whenever it started: peered daemons, or one restarted, see the same
+/// requests finish between two scrapes and learn the same prefill speeds. One without
+/// keeps the phase of when it began: daemons that do not share their picks then do not
+/// read the same loads at the same instants and move sessions together
+/// (`docs/daemon.md`, several gateways).
+#[test]
+fn peered_daemons_scrape_a_replica_at_the_same_phase_of_the_wall_clock() {
+    const INTERVAL_MS: f64 = 400.0;
+    let interval = INTERVAL_MS.to_string();
+    let ctx = zmq::Context::new();
+    let events = publisher(&ctx);
+    for peered in [true, false] {
+        let (replica, asked) = scrape_recorder();
+        let flag = endpoint_flag(&replica, &events);
+        let mut args = vec!["--endpoint", &flag, "--scrape-interval-ms", &interval];
+        if peered {
+            // A peer that never answers: only its being named counts here.
+            args.extend(["--peer", "127.0.0.1:9"]);
+        }
+        let (first, periodic) = scrape_phases_apart(&replica, &asked, INTERVAL_MS, &args);
+        assert!(
+            first.abs() > INTERVAL_MS / 4.0,
+            "the daemons' first scrapes fell {first:.0} ms apart in the period"
+        );
+        if peered {
+            assert!(
+                periodic.abs() < INTERVAL_MS / 10.0,
+                "peered, the second daemon scraped {periodic:.0} ms off the first's phase"
+            );
+        } else {
+            assert!(
+                periodic.abs() > INTERVAL_MS / 4.0,
+                "unpeered, the second daemon scraped {periodic:.0} ms off the first's phase"
+            );
+        }
+    }
 }

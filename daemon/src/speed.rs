@@ -28,11 +28,6 @@ const DECAY: f64 = 0.95;
 const MIN_REQUESTS: f64 = 2.0;
 const MIN_COMPUTED_TOKENS: f64 = 2048.0;
 
-/// What the replica's figures from before the daemon's first scrape weigh, in requests
-/// (about two scrapes of steady traffic): enough to rank by at once, little enough that
-/// live samples take over within a few scrapes.
-const SEED_REQUESTS: f64 = 16.0;
-
 /// Below this share of its diagonal, the fit's determinant says every sample had about
 /// the same tokens per request: overhead and speed cannot be told apart, and the speed is
 /// the plain ratio (the overhead folded into it, right for requests of that size).
@@ -184,10 +179,7 @@ impl SpeedLearner {
             return;
         }
         let last = self.last.replace(now);
-        let Some(last) = last else {
-            self.seed(now);
-            return;
-        };
+        let Some(last) = last else { return };
         let n = now.requests - last.requests;
         let t = now.seconds - last.seconds;
         let k = now.computed_tokens - last.computed_tokens;
@@ -204,24 +196,6 @@ impl SpeedLearner {
             _ => t,
         };
         self.sums.decay_and_add(n, work, t);
-        self.samples += 1;
-        self.requests += n;
-        self.tokens += work;
-    }
-
-    /// Takes the first scrape's totals, the replica's whole life so far, as one sample
-    /// weighing no more than [`SEED_REQUESTS`] requests: a daemon started (or restarted)
-    /// beside a fleet that has been serving ranks it at its measured speed from its first
-    /// scrape, not at the fleet's default until requests finish, and a few scrapes of
-    /// live traffic outweigh it.
-    fn seed(&mut self, life: PrefillCounters) {
-        let (n, t, k) = (life.requests, life.seconds, life.computed_tokens);
-        if n <= 0.0 || t < 0.0 || k < 0.0 {
-            return;
-        }
-        let work = k + self.cached_token_cost * (life.prompt_tokens - k).max(0.0);
-        let scale = (SEED_REQUESTS / n).min(1.0);
-        self.sums.decay_and_add(n * scale, work * scale, t * scale);
         self.samples += 1;
         self.requests += n;
         self.tokens += work;
@@ -667,32 +641,6 @@ mod tests {
         // The first sample after the restart counts from the new baseline.
         learner.observe(counters(2.0, 1.01, 4005.0));
         assert_eq!(learner.samples(), 4);
-    }
-
-    #[test]
-    fn a_replicas_life_before_the_first_scrape_ranks_it_at_once_and_live_traffic_takes_over() {
-        let mut learner = SpeedLearner::default();
-        // 1,000 requests of 4,000 tokens at 4,000 tokens/s before the daemon started.
-        learner.observe(counters(1000.0, 1000.0, 4e6));
-        let seeded = learner.measured().unwrap().tokens_per_second;
-        assert!((seeded - 4000.0).abs() < 1.0, "{seeded}");
-        // The replica now prefills twice as fast: 20 scrapes of 8 requests at 8,000
-        // tokens/s. Weighed as its 1,000 requests, the old life would hold the estimate
-        // near 4,500.
-        let mut total = counters(1000.0, 1000.0, 4e6);
-        for _ in 0..20 {
-            total.requests += 8.0;
-            total.computed_tokens += 8.0 * 4000.0;
-            total.prompt_tokens += 8.0 * 4000.0;
-            total.seconds += 8.0 * 0.5;
-            learner.observe(total);
-        }
-        let live = learner.measured().unwrap().tokens_per_second;
-        assert!(live > 7500.0, "{live}");
-        // A replica that served nothing yet teaches nothing by its first scrape.
-        let mut fresh = SpeedLearner::default();
-        fresh.observe(counters(0.0, 0.0, 0.0));
-        assert_eq!((fresh.measured(), fresh.samples()), (None, 0));
     }
 
     #[test]

@@ -648,9 +648,8 @@ impl Stack {
     /// that counts on instant replicas draining their queue at once, or a benchmark of a
     /// fleet in steady state, must not start before.
     pub fn wait_speeds_measured(&self) -> anyhow::Result<()> {
-        // A scrape before the requests: kvaffined takes what finished before its first
-        // scrape as one sample, and two sizes in one sample cannot tell the fixed cost
-        // from the speed.
+        // A scrape before the requests: the first one is kvaffined's baseline, and what
+        // finished before it is not measured.
         self.wait_scraped()?;
         for replica in &self.replicas {
             for words in [25, 2100] {

@@ -1248,7 +1248,8 @@ fn scrape_phases_apart(
         });
         drop(daemon);
         let times = asked.lock().unwrap().clone();
-        let origin = runs.first().map_or(times[1], |r| r.2);
+        // Relative to its own first periodic scrape, so that none wraps around the period.
+        let origin = times[1];
         let mut phases: Vec<f64> = times[1..5]
             .iter()
             .map(|&t| phase(t, origin, interval_ms))

@@ -109,6 +109,11 @@ impl PeerList {
         *self.file.write() = peers;
     }
 
+    /// Whether it names no peer now.
+    pub fn is_empty(&self) -> bool {
+        self.flags.is_empty() && self.file.read().is_empty()
+    }
+
     /// Every peer, each once.
     pub fn current(&self) -> Vec<String> {
         let mut all = self.flags.clone();
@@ -121,17 +126,25 @@ impl PeerList {
     }
 }
 
+/// A daemon's link to its peers: where its bookings are queued, and whom they go to.
+pub struct Peering {
+    /// Bookings made here, waiting to be sent.
+    pub queue: mpsc::Sender<PeerBooking>,
+    /// The peers as configured now.
+    pub list: Arc<PeerList>,
+}
+
 /// Starts sending this daemon's bookings to `peers`, with `token` as bearer if they
-/// require one; returns where bookings are queued.
+/// require one.
 pub fn spawn(
     daemon: Arc<Daemon>,
     peers: Arc<PeerList>,
     token: Option<String>,
     client: reqwest::Client,
-) -> mpsc::Sender<PeerBooking> {
+) -> Peering {
     let (queue, bookings) = mpsc::channel(QUEUE);
-    tokio::spawn(forward(daemon, bookings, peers, token, client));
-    queue
+    tokio::spawn(forward(daemon, bookings, peers.clone(), token, client));
+    Peering { queue, list: peers }
 }
 
 /// Sends what is queued to every peer, a batch at a time: what queues while a batch is on

@@ -244,10 +244,10 @@ fn since_epoch() -> std::time::Duration {
 /// between two scrapes, learn the same prefill speeds and rank alike. One without keeps
 /// them from when it began to follow the replica: daemons that do not see each other's
 /// picks and read the same loads at the same instants move their sessions off a busy
-/// replica together, onto the same one. Measured in successive runs of `bench gateways`
-/// (concurrency, 4 gateways, medians of 5): peered, 70.1% hit rate on the wall clock
-/// against 64.0% from each start; unpeered, 59.3% and TTFT p99 586 ms on the wall clock
-/// against 74.0% and 174 ms.
+/// replica together, onto the same one. Measured on the emulator (`bench gateways`,
+/// concurrency, 4 gateways): peered, 69.3% hit rate on the wall clock against 64.7% from
+/// each start (medians of 15 runs, one gateway 70.9%); unpeered, 59.3% and TTFT p99
+/// 586 ms on the wall clock against 74.0% and 174 ms (medians of 5, successive runs).
 fn until_phase(
     now: std::time::Duration,
     interval: std::time::Duration,

@@ -86,8 +86,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let token = auth.as_ref().and_then(crate::auth::ApiTokens::first);
     let daemon = Arc::new(Daemon::with_auth(settings, auth));
     if !args.peers.is_empty() || args.config.is_some() {
-        let queue = crate::peers::spawn(daemon.clone(), peers.clone(), token, client.clone());
-        let _ = daemon.peers.set(queue);
+        let peering = crate::peers::spawn(daemon.clone(), peers.clone(), token, client.clone());
+        let _ = daemon.peers.set(peering);
     }
     let fleet = Fleet {
         peers,

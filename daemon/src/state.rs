@@ -52,8 +52,9 @@ pub struct Daemon {
     pub lookups: std::sync::atomic::AtomicUsize,
     /// The tokens the API requires, when `--auth-token-file` is given.
     pub auth: Option<crate::auth::ApiTokens>,
-    /// Where bookings made here are queued for the peers (`--peer`), if any.
-    pub peers: std::sync::OnceLock<tokio::sync::mpsc::Sender<PeerBooking>>,
+    /// Where bookings made here are queued for the peers, and who they are (`--peer`, the
+    /// config file's `peers`), when either is given.
+    pub peers: std::sync::OnceLock<crate::peers::Peering>,
     /// Outcomes the filters reported: predictions against what replicas served.
     pub outcomes: Mutex<crate::outcomes::OutcomeLog>,
 }
@@ -379,9 +380,9 @@ impl Daemon {
         used.first_absent()
     }
 
-    /// Whether bookings go to peers as last read (`--peer`, the config file's `peers`).
+    /// Whether bookings go to any peer now.
     pub fn has_peers(&self) -> bool {
-        self.metrics.peers.get() > 0
+        self.peers.get().is_some_and(|p| !p.list.is_empty())
     }
 
     /// A replica's measured speed may have changed (a scraper just read its metrics): the
@@ -835,7 +836,7 @@ impl Daemon {
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             held,
         };
-        if peers.try_send(booking).is_err() {
+        if peers.queue.try_send(booking).is_err() {
             self.metrics.count_peer_bookings("dropped", 1);
         }
     }

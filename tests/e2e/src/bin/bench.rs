@@ -558,8 +558,6 @@ fn gateways() -> anyhow::Result<()> {
             replica_args.extend(["--event-lag-ms".into(), "500".into()]);
             scenarios::Scenario {
                 replica_args,
-                per_replica_args: scenario.per_replica_args.clone(),
-                daemon_args: scenario.daemon_args.clone(),
                 ..scenario
             }
         } else {
@@ -591,10 +589,12 @@ fn gateways() -> anyhow::Result<()> {
             let scenario = scenarios::Scenario {
                 replica_args: scenario.replica_args.clone(),
                 per_replica_args: scenario.per_replica_args.clone(),
-                daemon_args: if fixed {
-                    FIXED_SPEEDS.map(str::to_owned).to_vec()
-                } else {
-                    Vec::new()
+                daemon_args: {
+                    let mut args = scenario.daemon_args.clone();
+                    if fixed {
+                        args.extend(FIXED_SPEEDS.map(str::to_owned));
+                    }
+                    args
                 },
                 ..scenario
             };

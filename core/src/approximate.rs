@@ -21,6 +21,20 @@ pub fn approximate_keys(
     extras: &KeyExtras,
     text: &str,
 ) -> Vec<TextKey> {
+    templated_keys(router, model, extras, &[], text)
+}
+
+/// [`approximate_keys`] seeded also by `template`, the request's other inputs to its
+/// chat template (tools, template arguments): two requests whose texts agree but whose
+/// templates differ render different tokens from the first block on, so their keys must
+/// not agree either. An empty `template` gives the approximate keys.
+pub fn templated_keys(
+    router: &Router,
+    model: Option<&str>,
+    extras: &KeyExtras,
+    template: &[u8],
+    text: &str,
+) -> Vec<TextKey> {
     use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
     let mut seed_material = Vec::new();
     seed_material.extend_from_slice(model.unwrap_or("").as_bytes());
@@ -31,6 +45,10 @@ pub fn approximate_keys(
     seed_material.push(0);
     if let Some(lora) = &extras.lora {
         seed_material.extend_from_slice(lora.name.as_bytes());
+    }
+    if !template.is_empty() {
+        seed_material.push(0);
+        seed_material.extend_from_slice(template);
     }
     let mut key = xxh3_64(&seed_material);
     text.as_bytes()

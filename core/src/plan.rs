@@ -4,7 +4,7 @@
 use serde_json::{Map, Value, json};
 
 use crate::api::Api;
-use crate::approximate::{TextKey, approximate_keys};
+use crate::approximate::{TextKey, approximate_keys, templated_keys};
 use crate::config::{ChatTokenize, Mode, ResponsesTokenize, Router};
 use crate::keys::{KeyExtras, LoraAdapter};
 use crate::reason::Reason;
@@ -313,17 +313,103 @@ pub fn approximate_fallback(
     plan: &Plan,
 ) -> Option<Vec<TextKey>> {
     let value: Value = serde_json::from_slice(body).ok()?;
-    let text = match api {
-        Api::ChatCompletions => chat_text(value.get("messages")?.as_array()?),
-        Api::Completions => value.get("prompt")?.as_str()?.to_owned(),
-        Api::Responses => chat_text(&request::responses_chat_input(&value).ok()?.messages),
-    };
+    let text = request_text(api, &value)?;
     Some(approximate_keys(
         router,
         plan.model.as_deref(),
         &plan.extras,
         &text,
     ))
+}
+
+/// Text keys for a salt probe (see [`crate::protocol::SaltProbe::text`]): the request's
+/// text, seeded also by its other template inputs ([`template_inputs`]), so that the index
+/// can tell a sibling of a salt's first request, still in flight, that shares its prompt
+/// from one that shares only its text. Load accounting only: no block key comes from
+/// text.
+pub fn probe_text_keys(
+    router: &Router,
+    api: Api,
+    body: &[u8],
+    plan: &Plan,
+) -> Option<Vec<TextKey>> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let text = request_text(api, &value)?;
+    Some(templated_keys(
+        router,
+        plan.model.as_deref(),
+        &plan.extras,
+        &template_inputs(&value),
+        &text,
+    ))
+}
+
+/// The text approximate keys are made of.
+fn request_text(api: Api, value: &Value) -> Option<String> {
+    Some(match api {
+        Api::ChatCompletions => chat_text(value.get("messages")?.as_array()?),
+        Api::Completions => value.get("prompt")?.as_str()?.to_owned(),
+        Api::Responses => chat_text(&request::responses_chat_input(value).ok()?.messages),
+    })
+}
+
+/// Body fields that leave the rendered prompt alone (sampling, output, streaming,
+/// bookkeeping), or are keyed on their own (the model, the salt, the text itself).
+const NOT_RENDERED: &[&str] = &[
+    "model",
+    "cache_salt",
+    "messages",
+    "prompt",
+    "input",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "stop",
+    "user",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "ignore_eos",
+    "metadata",
+    "store",
+    "priority",
+    "request_id",
+    "response_format",
+];
+
+/// Every other top-level field of the body, sorted by name (the body's own order does
+/// not render): tools, template arguments, reasoning effort, and any field not known to
+/// leave the prompt alone, so that a field kvaffine does not know can only split
+/// siblings, never join two prompts that render differently.
+fn template_inputs(value: &Value) -> Vec<u8> {
+    let Some(object) = value.as_object() else {
+        return Vec::new();
+    };
+    let mut fields: Vec<(&String, &Value)> = object
+        .iter()
+        .filter(|(name, _)| !NOT_RENDERED.contains(&name.as_str()))
+        .collect();
+    fields.sort_unstable_by_key(|&(name, _)| name);
+    let mut bytes = Vec::new();
+    for (name, field) in fields {
+        bytes.extend_from_slice(name.as_bytes());
+        bytes.push(0);
+        bytes.extend_from_slice(field.to_string().as_bytes());
+        bytes.push(0);
+    }
+    bytes
 }
 
 #[cfg(test)]
@@ -539,6 +625,63 @@ mod tests {
         let body = br#"{"messages":[{"role":"user","content":"a long enough message"}]}"#;
         assert!(
             matches!(plan(&r, Api::ChatCompletions, r.config.mode, body).action, Action::Approximate(k) if !k.is_empty())
+        );
+    }
+
+    #[test]
+    fn probe_keys_agree_on_what_renders_alike_and_only_on_that() {
+        let r = router(r#"{"block_size":4,"approximate_chunk_bytes":8}"#);
+        let keys = |body: Value| {
+            let body = body.to_string().into_bytes();
+            let plan = plan(&r, Api::ChatCompletions, Mode::Precise, &body);
+            probe_text_keys(&r, Api::ChatCompletions, &body, &plan).unwrap()
+        };
+        let doc = "a shared document, long enough for several chunks";
+        let first = keys(json!({"model": "m", "cache_salt": "team", "max_tokens": 8,
+            "messages": [{"role": "user", "content": format!("{doc}: task one")}]}));
+        assert!(first.len() > 4);
+        // Sampling and streaming fields, and the fields' order, render nothing.
+        let same = keys(
+            json!({"stream": true, "temperature": 0.5, "cache_salt": "team",
+            "messages": [{"role": "user", "content": format!("{doc}: task one")}], "model": "m"}),
+        );
+        assert_eq!(same, first);
+        // A sibling sharing the document shares the keys of its chunks, and no more.
+        let sibling = keys(json!({"model": "m", "cache_salt": "team",
+            "messages": [{"role": "user", "content": format!("{doc}: task two")}]}));
+        let shared = first
+            .iter()
+            .zip(&sibling)
+            .take_while(|(a, b)| a == b)
+            .count();
+        assert!(
+            shared >= 4 && shared < first.len(),
+            "{shared} of {}",
+            first.len()
+        );
+        // The same text through another template, an unknown field or another salt
+        // shares nothing.
+        for other in [
+            json!({"reasoning_effort": "high"}),
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            json!({"chat_template_kwargs": {"enable_thinking": false}}),
+            json!({"a_field_kvaffine_does_not_know": 1}),
+            json!({"cache_salt": "other"}),
+        ] {
+            let mut body = json!({"model": "m", "cache_salt": "team", "max_tokens": 8,
+                "messages": [{"role": "user", "content": format!("{doc}: task one")}]});
+            for (name, field) in other.as_object().unwrap() {
+                body[name] = field.clone();
+            }
+            assert_ne!(keys(body)[0], first[0], "{other}");
+        }
+        // Without template inputs they are the approximate keys.
+        let body =
+            br#"{"model":"m","messages":[{"role":"user","content":"a long enough message"}]}"#;
+        let plan = plan(&r, Api::ChatCompletions, Mode::Precise, body);
+        assert_eq!(
+            probe_text_keys(&r, Api::ChatCompletions, body, &plan),
+            approximate_fallback(&r, Api::ChatCompletions, body, &plan)
         );
     }
 }

@@ -205,6 +205,13 @@ pub struct SaltProbe {
     /// ([`crate::tokens::TokensPerByte`]): what a pick queues on its replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<u64>,
+    /// The request's text keys, seeded by its template inputs
+    /// ([`crate::plan::probe_text_keys`]). A salt's first request is routed before its
+    /// tokens are known, so its blocks cannot be booked: its text keys are, and a later
+    /// request of the salt, arriving before the replica's events show the salt, follows it
+    /// as far as their texts and templates agree, not further. Load accounting only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<Vec<TextKey>>,
 }
 
 impl SaltProbe {
@@ -576,6 +583,7 @@ mod tests {
             book: Some(Booking::default()),
             candidates: 2,
             tokens: Some(1_500),
+            text: Some(vec![TextKey(7), TextKey(u64::MAX)]),
         };
         let json = probe.to_json();
         assert_eq!(serde_json::from_slice::<SaltProbe>(&json).unwrap(), probe);

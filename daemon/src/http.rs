@@ -208,6 +208,13 @@ async fn salt_probe(
     let body = body.map_err(|rejection| ApiError::Body(rejection.body_text()))?;
     let probe: SaltProbe =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let text_keys = probe.text.as_ref().map_or(0, Vec::len);
+    if text_keys > daemon.settings.max_keys {
+        return Err(ApiError::TooLarge(format!(
+            "{text_keys} text keys exceed --max-keys {}",
+            daemon.settings.max_keys
+        )));
+    }
     let answer = daemon.probe(&probe, Instant::now());
     daemon
         .metrics

@@ -492,7 +492,7 @@ impl Daemon {
     }
 
     /// [`rank`](Self::rank) for a request of `request_blocks` blocks, whatever its query
-    /// holds (a salt probe has no keys, only an estimated size), ranking `presumed` as if
+    /// holds (a salt probe has an estimated size and text keys, or none), ranking `presumed` as if
     /// it held all of them (the replica a salt's first request was booked on, before its
     /// events could say so), its backlog less the picks queued under one of `own` (see
     /// [`Backlogs::pending_tokens`]).
@@ -507,6 +507,17 @@ impl Daemon {
         let matches = self.matches(&request.query, now);
         let pending = self.backlogs.lock().pending_tokens(now, own);
         let mut replicas = self.replicas(&matches, &pending);
+        // Text keys stand for a request of `request_blocks` blocks: their matches count in
+        // proportion.
+        if let Query::Text(keys) = &request.query {
+            if !keys.is_empty() && keys.len() != request_blocks {
+                for replica in &mut replicas {
+                    let matched = replica.record.matched_blocks as usize;
+                    let blocks = matched.saturating_mul(request_blocks) / keys.len();
+                    replica.record.matched_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+                }
+            }
+        }
         if let Some(replica) = presumed
             .and_then(|endpoint| replicas.iter_mut().find(|r| r.record.endpoint == endpoint))
         {
@@ -805,7 +816,9 @@ impl Daemon {
                 }
             }
             Held::Text { keys } => {
-                self.backlogs.lock().add(slot, work, None, now);
+                if work > 0 {
+                    self.backlogs.lock().add(slot, work, None, now);
+                }
                 let keys: Vec<TextKey> = keys.iter().copied().map(TextKey).collect();
                 self.history.write().record(slot, &keys);
             }
@@ -892,15 +905,20 @@ impl Daemon {
 
     /// Answers a salt probe. While a replica of the model holds, or may hold, a first
     /// block of the salt, nothing is routed: the filter tokenizes and looks up. Otherwise
-    /// no cached prefix can match, and the request is routed and booked for the salt: by
-    /// load (`new-salt`), or, while the salt is booked on a replica whose events have not
-    /// shown it yet, ranked as if that replica held the whole request (a continuation of
-    /// the salt's first request would find it there), so it follows the booking
-    /// (`salt-booked`) until that replica's queue costs more than a cold prefill
-    /// elsewhere (`saturated`): a burst of one tenant's new sessions spreads out.
+    /// no cached prefix can match, and the request is routed and booked for the salt.
+    /// With the probe's text keys, it is ranked as far as its text and template agree
+    /// with where the salt's earlier picks went (booked, before their events could show
+    /// the salt), in estimated blocks: a sibling sharing the first request's document and
+    /// template follows it (`salt-booked`) unless that replica's queue costs more than a
+    /// cold prefill elsewhere (`saturated`); one that renders differently goes by load
+    /// (`new-salt`), as its tokens would have sent it. Without text keys (filters before
+    /// them), a salt booked on a replica is ranked as if that replica held the whole
+    /// request, the salt's own queued picks not counting against it.
     pub fn probe(&self, probe: &SaltProbe, now: Instant) -> SaltAnswer {
+        let by_text = probe.text.is_some();
+        let text = probe.text.clone().unwrap_or_default();
         let request = LookupRequest {
-            query: Query::Blocks(Vec::new()),
+            query: Query::Text(text),
             model: probe.model.clone(),
             book: probe.book,
             candidates: probe.candidates.max(1),
@@ -912,10 +930,14 @@ impl Daemon {
             self.salt_bookings.lock().get(probe.salt, now)
         };
         let request_blocks = self.probe_blocks(probe);
-        // The salt's own picks are queued under its tag: a continuation of them would wait
-        // for them wherever it went.
-        let own = [BlockKey(probe.salt)];
-        let mut ranking = self.rank_sized(&request, request_blocks, booked.as_deref(), &own, now);
+        // Without text, the salt's own picks are queued under its tag: a continuation of
+        // them would wait for them wherever it went.
+        let (presumed, own) = if by_text {
+            (None, Vec::new())
+        } else {
+            (booked.as_deref(), vec![BlockKey(probe.salt)])
+        };
+        let mut ranking = self.rank_sized(&request, request_blocks, presumed, &own, now);
         if held {
             self.metrics.salt_probes_held.inc();
             return SaltAnswer {
@@ -925,6 +947,7 @@ impl Daemon {
         }
         let first = ranking.order.first().and_then(|&i| ranking.replicas.get(i));
         ranking.reason = match first {
+            Some(_) if by_text && ranking.reason == Reason::Prefix => Reason::SaltBooked,
             Some(first) if booked.as_deref() == Some(first.record.endpoint.as_str()) => {
                 Reason::SaltBooked
             }
@@ -932,7 +955,12 @@ impl Daemon {
             Some(_) => Reason::NewSalt,
             None => ranking.reason,
         };
-        let booked = self.book_salt(probe, &ranking, now);
+        // What the replicas' events hold of a salt none holds: nothing. The text matches
+        // were estimates for the ranking.
+        for replica in &mut ranking.replicas {
+            replica.record.indexed_blocks = 0;
+        }
+        let booked = self.book_salt(probe, &request.query, &ranking, now);
         self.metrics.count_lookup(ranking.reason);
         SaltAnswer {
             route: Some(ranking.answer(request.candidates, booked)),
@@ -972,7 +1000,13 @@ impl Daemon {
     /// replica's backlog under the salt's tag (its events' first block of the salt
     /// confirms it), and the salt's next requests follow it until its events show the
     /// salt or the booking expires.
-    fn book_salt(&self, probe: &SaltProbe, ranking: &Ranking, now: Instant) -> Option<String> {
+    fn book_salt(
+        &self,
+        probe: &SaltProbe,
+        query: &Query,
+        ranking: &Ranking,
+        now: Instant,
+    ) -> Option<String> {
         let booking = probe.book?;
         let replica = ranking.replicas.get(*ranking.order.first()?)?;
         let work = self
@@ -994,6 +1028,18 @@ impl Daemon {
             now + ttl,
         );
         self.share(endpoint, replica.best_rank, work as u64, ttl, held);
+        if let Query::Text(keys) = query {
+            if !keys.is_empty() {
+                // Its text keys, held where it went (no work of their own: the salt's
+                // booking queues the prefill), so the salt's next requests can follow it
+                // as far as they agree.
+                let held = Held::Text {
+                    keys: keys.iter().map(|k| k.0).collect(),
+                };
+                self.hold(replica.best_slot, endpoint, 0, &held, now, now + ttl);
+                self.share(endpoint, replica.best_rank, 0, ttl, held);
+            }
+        }
         Some(endpoint.clone())
     }
 }

@@ -965,6 +965,72 @@ fn salt_probes_answer_from_first_blocks_and_bookings() {
     });
 }
 
+/// With text keys (what filters send since they have them), a salt's next probe follows
+/// its booked first request only as far as their texts and templates agree: a sibling
+/// sharing the first's document goes where it went (`salt-booked`) once the first's
+/// prefill there has drained, while one whose keys differ from the first chunk on (another
+/// template renders it) is ranked by load like any new prompt (`new-salt`), away from the
+/// prefill queued there. No answer claims a matched block: no replica's events show the
+/// salt.
+#[test]
+fn salt_probes_with_text_follow_the_first_request_as_far_as_they_agree() {
+    let (a, b) = (
+        EmuProcess::start(&["--block-size", "16"]),
+        EmuProcess::start(&["--block-size", "16"]),
+    );
+    let daemon = DaemonProcess::start(&[
+        "--discover",
+        &a.http,
+        "--discover",
+        &b.http,
+        "--prefill-tokens-per-second",
+        "10000",
+    ]);
+    daemon.wait_ready();
+    wait_for("both scraped", || {
+        [&a.http, &b.http]
+            .iter()
+            .all(|e| daemon.endpoint_status(e)["load"].is_object())
+    });
+    let salt = kvaffine_core::salt_tag("team");
+    // 20,000 tokens: two seconds of booked prefill at 10,000 tokens/s.
+    let probe = |text: Vec<u64>| {
+        let body = json!({"salt": salt, "candidates": 2, "tokens": 20_000, "text": text,
+                          "book": {"ttl_ms": 60_000}});
+        let (status, answer) = daemon.json("POST", "/v2/salt", &body.to_string());
+        assert_eq!(status, 200, "{answer}");
+        answer["route"].clone()
+    };
+    let document = |tail: u64| (1..=30).chain([tail]).collect::<Vec<u64>>();
+    let first = probe(document(100));
+    assert_eq!(first["reason"], "new-salt", "{first}");
+    let booked = first["booked"].as_str().unwrap().to_owned();
+    let pending = || {
+        let (_, all) = daemon.json("POST", "/v1/lookup", r#"{"keys":[]}"#);
+        all["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["endpoint"] == booked.as_str())
+            .unwrap()["pending_prefill_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    wait_for("the first's booked prefill drained", || pending() == 0);
+    let sibling = probe(document(200));
+    assert_eq!(sibling["reason"], "salt-booked", "{sibling}");
+    assert_eq!(sibling["candidates"][0]["endpoint"], booked.as_str());
+    assert!(pending() > 0, "the sibling's prefill is queued there");
+    let other = probe((1_000..1_031).collect());
+    assert_eq!(other["reason"], "new-salt", "{other}");
+    assert_ne!(other["candidates"][0]["endpoint"], booked.as_str());
+    for answer in [&first, &sibling, &other] {
+        for candidate in answer["candidates"].as_array().unwrap() {
+            assert_eq!(candidate["matched_blocks"], 0, "{answer}");
+        }
+    }
+}
+
 /// One daemon at its slot limit: 1,024 event streams from one process speaking for many
 /// publishers (each with its own sockets, sequence and replay), every event applied, both
 /// the replayed ones published before the daemon started and the live ones after, and
@@ -1164,6 +1230,26 @@ fn peered_daemons_hold_each_others_bookings() {
     );
     let (status, _) = first.request("POST", "/v2/peer/bookings", r#"{"bookings": 3}"#);
     assert_eq!(status, 400);
+    // A salt's first request routed by a probe: its salt booking and its text keys reach
+    // the peer, which finds a sibling's text where the first went.
+    let probe = json!({"salt": kvaffine_core::salt_tag("peered"), "tokens": 2_000,
+                       "text": (1..=30).collect::<Vec<u64>>(), "book": {"ttl_ms": 60_000}});
+    let before = received(&second);
+    let (status, routed) = first.json("POST", "/v2/salt", &probe.to_string());
+    assert_eq!(status, 200, "{routed}");
+    assert_eq!(routed["route"]["reason"], "new-salt", "{routed}");
+    let booked = routed["route"]["booked"].as_str().unwrap();
+    wait_for("the salt's booking and its text at the peer", || {
+        received(&second) == before + 2.0
+    });
+    let sibling = json!({"keys": (1..=29).chain([99]).collect::<Vec<u64>>(), "approximate": true});
+    let (status, seen) = second.json("POST", "/v1/lookup", &sibling.to_string());
+    assert_eq!(status, 200, "{seen}");
+    assert_eq!(
+        DaemonProcess::record(&seen, booked)["matched_blocks"],
+        29,
+        "{seen}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -676,6 +676,7 @@ impl Request {
             book: routing.book.then(Booking::default),
             candidates: 1 + routing.fallbacks,
             tokens,
+            text: plan::probe_text_keys(self.router(), api, &body, &plan),
         };
         let gateway = self.gateway();
         match callout(
@@ -714,12 +715,13 @@ impl Request {
     ) -> bool {
         self.stats.salt_probe_latency(elapsed_us(since));
         let status = call_status();
-        if status == Some(404) {
+        // 404: a daemon before salt probes; 400: one before this probe's fields.
+        if matches!(status, Some(400 | 404)) {
             if let Ok(mut salts) = self.salts.try_borrow_mut() {
                 if salts.probes_refused_until.is_none() {
                     log(
                         LogLevel::Info,
-                        "kvaffine: the index does not know /v2/salt; salted requests are tokenized first",
+                        "kvaffine: the index does not take this filter's /v2/salt probes; salted requests are tokenized first",
                     );
                 }
                 salts.probes_refused_until = Some(now() + PROTOCOL_1_RECHECK);

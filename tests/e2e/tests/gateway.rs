@@ -153,6 +153,94 @@ fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
     assert!(stack.stat("wasmcustom.kvaffine.routed.new-salt") >= 4.0);
 }
 
+/// Before any replica's events show a new salt (held back 5 s here), its next requests
+/// are routed by the probe too, and follow its first request only as far as they render
+/// alike: a sibling with the same template and document goes where the first went and is
+/// served from its cache (vLLM's usage says so), while one that offers tools (the same
+/// text, other tokens from the first block) is not sent after it.
+#[test]
+fn a_new_salts_siblings_follow_its_first_request_only_where_they_render_alike() {
+    let stack = Stack::start(StackConfig {
+        filter: json!({"salt_probes": true}),
+        replica_args: vec!["--event-lag-ms".into(), "5000".into()],
+        ..StackConfig::default()
+    })
+    .unwrap();
+    let calls = tokenizer_calls(&stack);
+    let history = long_history(300);
+    let sibling_of = |task: &str| {
+        let mut messages = history.as_array().unwrap().clone();
+        messages.push(json!({"role": "assistant", "content": "Read."}));
+        messages.push(json!({"role": "user", "content": task}));
+        messages
+    };
+    let first = chat(
+        &stack,
+        &json!({"messages": sibling_of("task one"), "max_tokens": 8, "cache_salt": "team"}),
+    );
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(first.header("x-kvaffine-reason"), Some("new-salt"));
+    let warm = first.header("x-served-by").map(str::to_owned);
+    // Until the first's booked prefill has drained, the queue in front of it costs more
+    // than a cold prefill elsewhere.
+    poll(
+        "the first's booked prefill drained",
+        Duration::from_secs(10),
+        || {
+            send(
+                &stack.daemon_addr,
+                "POST",
+                "/v1/lookup",
+                &[("content-type", "application/json")],
+                br#"{"keys": []}"#,
+            )
+            .json()["endpoints"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .all(|e| e["pending_prefill_tokens"] == 0)
+        },
+    )
+    .unwrap();
+    let sibling = chat(
+        &stack,
+        &json!({"messages": sibling_of("task two"), "max_tokens": 8, "cache_salt": "team"}),
+    );
+    assert_eq!(sibling.status, 200, "{}", sibling.body);
+    let seen = (
+        sibling.header("x-kvaffine-reason"),
+        sibling.header("x-kvaffine-matched-blocks"),
+    );
+    assert_eq!(
+        seen,
+        (Some("salt-booked"), Some("0")),
+        "{:?}",
+        sibling.headers
+    );
+    assert_eq!(sibling.header("x-served-by").map(str::to_owned), warm);
+    let prompt = sibling.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached(&sibling) * 10 >= prompt * 8,
+        "{} of {prompt} cached",
+        cached(&sibling)
+    );
+    let tools = json!([{"type": "function", "function": {"name": "search",
+        "parameters": {"type": "object", "properties": {}}}}]);
+    let other = chat(
+        &stack,
+        &json!({"messages": sibling_of("task one"), "max_tokens": 8, "cache_salt": "team",
+                "tools": tools}),
+    );
+    assert_eq!(other.status, 200, "{}", other.body);
+    assert_eq!(
+        other.header("x-kvaffine-reason"),
+        Some("new-salt"),
+        "{:?}",
+        other.headers
+    );
+    assert_eq!(tokenizer_calls(&stack), calls, "none was tokenized");
+}
+
 /// Turn 1 sent straight to a replica (around the gateway), then turn 2 through it: the
 /// salt is known from the replica's events, so turn 2 is tokenized and lands warm, with
 /// two active-active daemons and across a daemon restart (rebuilt by replay).

@@ -1,7 +1,8 @@
 //! With `salt_probes` on, a salted request asks the index first whether any replica holds
 //! its salt: routed at once when none does (no tokenizer call), tokenized and looked up as
 //! before when one does (and its salt's next requests skip the question), and tokenized as
-//! before against a daemon that does not know the question (404, remembered).
+//! before against a daemon that does not know the question (404) or its fields (400),
+//! remembered.
 
 use kvaffine_wasm_host::vm::{CallRequest, Vm};
 use kvaffine_wasm_host::{filter_wasm, kong_target as target, one_call, open_post};
@@ -62,6 +63,9 @@ fn a_salt_no_replica_holds_is_routed_without_tokenizing() {
     );
     // Nothing tokenized yet: a quarter of a token per body byte.
     assert!(asked["tokens"].as_u64().is_some_and(|t| t > 10), "{asked}");
+    // Its text keys, for the salt's next requests to follow it as far as they agree (the
+    // prompt is shorter than one 256-byte chunk).
+    assert_eq!(asked["text"], serde_json::json!([]), "{asked}");
     vm.respond(
         &probe,
         "200",
@@ -109,12 +113,20 @@ fn a_held_salt_is_tokenized_and_its_next_requests_skip_the_question() {
     assert_eq!(asked["tokens"], 33, "{asked}");
 }
 
+/// A daemon before salt probes (404), or before the probe's text keys (400: it refuses
+/// fields it does not know).
 #[test]
 fn a_daemon_without_salt_probes_is_asked_no_more_and_requests_still_route() {
+    for status in ["404", "400"] {
+        refused_probes_are_remembered(status);
+    }
+}
+
+fn refused_probes_are_remembered(status: &str) {
     let mut vm = Vm::load(&filter_wasm(), "kvaffine", CONFIG).expect("the filter loads");
     let (stream, probe) = open_salted(&mut vm, "tenant-c");
     assert_eq!(probe.path(), "/v2/salt");
-    vm.respond(&probe, "404", Vec::new());
+    vm.respond(&probe, status, Vec::new());
     let tokenize = one_call(&mut vm);
     tokenize_and_look_up(
         &mut vm,
@@ -124,7 +136,7 @@ fn a_daemon_without_salt_probes_is_asked_no_more_and_requests_still_route() {
     assert_eq!(target(&vm, stream).as_deref(), Some("127.0.0.1:8002"));
     vm.close_stream(stream);
     let (_, first) = open_salted(&mut vm, "tenant-d");
-    assert_eq!(first.path(), "/tokenize", "the 404 is remembered");
+    assert_eq!(first.path(), "/tokenize", "the {status} is remembered");
     assert!(vm.logs().any(|l| l.contains("/v2/salt")), "and logged");
 }
 

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use anyhow::Context;
+use serde_json::{Map, Value, json};
 use vllm_emu::rng::XorShift64;
 
 use crate::session::{Oracle, Session, TurnResult, turn};
@@ -462,6 +463,11 @@ pub fn queried_tokens(replicas: &[String]) -> Vec<u64> {
         .collect()
 }
 
+/// The environment variable whose JSON object of filter settings every run's filter takes
+/// on top of its profile's (`{"salt_probes": true}`: the same scenarios with another
+/// setting, in a run of its own).
+pub const FILTER_ENV: &str = "KVAFFINE_BENCH_FILTER";
+
 /// Runs `scenario` on a fresh stack, sending its workload to the chat URL `target` names
 /// for that stack (keeping whatever `target` returns alive until the end: a peer router
 /// process, for example).
@@ -474,7 +480,15 @@ pub fn run_through<T>(
     salt_as_text: bool,
     target: impl FnOnce(&Stack) -> anyhow::Result<(String, T)>,
 ) -> anyhow::Result<Run> {
-    let filter = json!({"book": book, "timeout_ms": 500});
+    let mut filter = json!({"book": book, "timeout_ms": 500});
+    // Filter settings to compare, e.g. `{"salt_probes": true}`, over the profiles' own.
+    if let Ok(extra) = std::env::var(FILTER_ENV) {
+        let extra: Map<String, Value> = serde_json::from_str(&extra)
+            .with_context(|| format!("{FILTER_ENV} must be a JSON object of filter settings"))?;
+        for (name, value) in extra {
+            filter[name] = value;
+        }
+    }
     let model = engine.model();
     let (daemons, gateways, peers) = match topology {
         Topology::Daemons(daemons) => (daemons, 1, crate::Peers::None),

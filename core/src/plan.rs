@@ -312,14 +312,7 @@ pub fn approximate_fallback(
     body: &[u8],
     plan: &Plan,
 ) -> Option<Vec<TextKey>> {
-    let value: Value = serde_json::from_slice(body).ok()?;
-    let text = request_text(api, &value)?;
-    Some(approximate_keys(
-        router,
-        plan.model.as_deref(),
-        &plan.extras,
-        &text,
-    ))
+    keyed_text(router, api, body, plan, |_| Vec::new())
 }
 
 /// Text keys for a salt probe (see [`crate::protocol::SaltProbe::text`]): the request's
@@ -333,13 +326,24 @@ pub fn probe_text_keys(
     body: &[u8],
     plan: &Plan,
 ) -> Option<Vec<TextKey>> {
+    keyed_text(router, api, body, plan, template_inputs)
+}
+
+/// The body's text keys, seeded by what `template` reads of the body.
+fn keyed_text(
+    router: &Router,
+    api: Api,
+    body: &[u8],
+    plan: &Plan,
+    template: fn(&Value) -> Vec<u8>,
+) -> Option<Vec<TextKey>> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let text = request_text(api, &value)?;
     Some(templated_keys(
         router,
         plan.model.as_deref(),
         &plan.extras,
-        &template_inputs(&value),
+        &template(&value),
         &text,
     ))
 }

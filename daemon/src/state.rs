@@ -924,20 +924,21 @@ impl Daemon {
             candidates: probe.candidates.max(1),
         };
         let held = self.salt_may_be_held(probe.salt, probe.model.as_deref());
-        let booked = if held {
+        // Without text, where the salt was booked stands for what it holds, and its own
+        // picks, queued under its tag, do not count: a continuation of them would wait
+        // for them wherever it went.
+        let booked = if held || by_text {
             None
         } else {
             self.salt_bookings.lock().get(probe.salt, now)
         };
-        let request_blocks = self.probe_blocks(probe);
-        // Without text, the salt's own picks are queued under its tag: a continuation of
-        // them would wait for them wherever it went.
-        let (presumed, own) = if by_text {
-            (None, Vec::new())
+        let own = if by_text {
+            Vec::new()
         } else {
-            (booked.as_deref(), vec![BlockKey(probe.salt)])
+            vec![BlockKey(probe.salt)]
         };
-        let mut ranking = self.rank_sized(&request, request_blocks, presumed, &own, now);
+        let request_blocks = self.probe_blocks(probe);
+        let mut ranking = self.rank_sized(&request, request_blocks, booked.as_deref(), &own, now);
         if held {
             self.metrics.salt_probes_held.inc();
             return SaltAnswer {

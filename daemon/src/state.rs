@@ -492,10 +492,10 @@ impl Daemon {
     }
 
     /// [`rank`](Self::rank) for a request of `request_blocks` blocks, whatever its query
-    /// holds (a salt probe has an estimated size and text keys, or none), ranking `presumed` as if
-    /// it held all of them (the replica a salt's first request was booked on, before its
-    /// events could say so), its backlog less the picks queued under one of `own` (see
-    /// [`Backlogs::pending_tokens`]).
+    /// holds (a salt probe has an estimated size, and text keys or none; text matches
+    /// count in proportion), ranking `presumed` as if it held all of them (the replica a
+    /// salt's first request was booked on, before its events could say so), its backlog
+    /// less the picks queued under one of `own` (see [`Backlogs::pending_tokens`]).
     fn rank_sized(
         &self,
         request: &LookupRequest,
@@ -999,8 +999,9 @@ impl Daemon {
     /// Books a probe's pick for its salt, if asked: its prefill (all of its estimated
     /// blocks: nothing of a new salt is cached) and the replica's fixed cost join the
     /// replica's backlog under the salt's tag (its events' first block of the salt
-    /// confirms it), and the salt's next requests follow it until its events show the
-    /// salt or the booking expires.
+    /// confirms it), and its text keys, if the probe has them, are held there too: the
+    /// salt's next requests follow it (as far as their texts agree, given text keys) until
+    /// its events show the salt or the booking expires.
     fn book_salt(
         &self,
         probe: &SaltProbe,

@@ -93,9 +93,9 @@ pub struct GatewayConfig {
     /// holds a first block of that salt (`POST /v2/salt`): when none does, no cached
     /// prefix can match, and the request is pinned by load with no tokenizer call (its
     /// text keys, seeded by its template inputs, let the salt's next requests follow it
-    /// only as far as they render alike). Off by default: on two overloaded emulated replicas, concurrency's hit rate is bimodal
-    /// with and without it, and 7 runs each could not tell whether it makes the bad mode
-    /// more likely (`docs/daemon.md`).
+    /// only as far as they render alike). Off by default: on two overloaded emulated
+    /// replicas, concurrency's hit rate is bimodal with and without it, and 7 runs each
+    /// could not tell whether it makes the bad mode more likely (`docs/daemon.md`).
     #[serde(default)]
     pub salt_probes: bool,
 }

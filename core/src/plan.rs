@@ -395,8 +395,9 @@ const NOT_RENDERED: &[&str] = &[
 
 /// Every other top-level field of the body, sorted by name (the body's own order does
 /// not render): tools, template arguments, reasoning effort, and any field not known to
-/// leave the prompt alone, so that a field kvaffine does not know can only split
-/// siblings, never join two prompts that render differently.
+/// leave the prompt alone, so that a top-level field kvaffine does not know can only
+/// split siblings. Within messages only roles, text and tool calls are keyed: siblings
+/// that differ only in an image, or a message's name, share keys (load accounting only).
 fn template_inputs(value: &Value) -> Vec<u8> {
     let Some(object) = value.as_object() else {
         return Vec::new();

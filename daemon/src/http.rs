@@ -205,7 +205,18 @@ async fn salt_probe(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let body = body.map_err(|rejection| ApiError::Body(rejection.body_text()))?;
+    // Too large is 413, not 400: a filter reads 400 as a daemon that does not know the
+    // probe's fields, and stops asking.
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::TooLarge(format!(
+                "request body exceeds the limit for --max-keys {}",
+                daemon.settings.max_keys
+            ))
+        } else {
+            ApiError::Body(rejection.body_text())
+        }
+    })?;
     let probe: SaltProbe =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
     let text_keys = probe.text.as_ref().map_or(0, Vec::len);

@@ -906,9 +906,9 @@ impl Daemon {
     /// Answers a salt probe. While a replica of the model holds, or may hold, a first
     /// block of the salt, nothing is routed: the filter tokenizes and looks up. Otherwise
     /// no cached prefix can match, and the request is routed and booked for the salt.
-    /// With the probe's text keys, it is ranked as far as its text and template agree
-    /// with where the salt's earlier picks went (booked, before their events could show
-    /// the salt), in estimated blocks: a sibling sharing the first request's document and
+    /// With the probe's text keys, while the salt is booked (its picks made, their events
+    /// not in yet), it is ranked as far as its text and template agree with where the
+    /// salt's earlier picks went, in estimated blocks: a sibling sharing the first request's document and
     /// template follows it (`salt-booked`) unless that replica's queue costs more than a
     /// cold prefill elsewhere (`saturated`); one that renders differently goes by load
     /// (`new-salt`), as its tokens would have sent it. Without text keys (filters before
@@ -916,14 +916,21 @@ impl Daemon {
     /// request, the salt's own queued picks not counting against it.
     pub fn probe(&self, probe: &SaltProbe, now: Instant) -> SaltAnswer {
         let by_text = probe.text.is_some();
-        let text = probe.text.clone().unwrap_or_default();
+        let held = self.salt_may_be_held(probe.salt, probe.model.as_deref());
+        // Text keys are followed only while the salt is booked: like a booking, where its
+        // requests went stops counting when no event has confirmed it in time (a failed
+        // request, an evicted salt).
+        let followed = by_text && !held && self.salt_bookings.lock().get(probe.salt, now).is_some();
+        let text = match &probe.text {
+            Some(keys) if followed => keys.clone(),
+            _ => Vec::new(),
+        };
         let request = LookupRequest {
             query: Query::Text(text),
             model: probe.model.clone(),
             book: probe.book,
             candidates: probe.candidates.max(1),
         };
-        let held = self.salt_may_be_held(probe.salt, probe.model.as_deref());
         // Without text, where the salt was booked stands for what it holds, and its own
         // picks, queued under its tag, do not count: a continuation of them would wait
         // for them wherever it went.
@@ -961,7 +968,7 @@ impl Daemon {
         for replica in &mut ranking.replicas {
             replica.record.indexed_blocks = 0;
         }
-        let booked = self.book_salt(probe, &request.query, &ranking, now);
+        let booked = self.book_salt(probe, &ranking, now);
         self.metrics.count_lookup(ranking.reason);
         SaltAnswer {
             route: Some(ranking.answer(request.candidates, booked)),
@@ -1002,19 +1009,21 @@ impl Daemon {
     /// confirms it), and its text keys, if the probe has them, are held there too: the
     /// salt's next requests follow it (as far as their texts agree, given text keys) until
     /// its events show the salt or the booking expires.
-    fn book_salt(
-        &self,
-        probe: &SaltProbe,
-        query: &Query,
-        ranking: &Ranking,
-        now: Instant,
-    ) -> Option<String> {
+    fn book_salt(&self, probe: &SaltProbe, ranking: &Ranking, now: Instant) -> Option<String> {
         let booking = probe.book?;
         let replica = ranking.replicas.get(*ranking.order.first()?)?;
+        // A pick that followed the salt's text queues what its match leaves uncached, as a
+        // lookup's pick does; without text, all of it (the whole-request presumption says
+        // nothing of what is cached).
+        let matched = if probe.text.is_some() {
+            replica.record.matched_blocks as usize
+        } else {
+            0
+        };
         let work = self
             .settings
             .policy
-            .prefill_work(self.probe_blocks(probe), 0)
+            .prefill_work(self.probe_blocks(probe), matched)
             + replica.speed.overhead_tokens;
         let ttl = booking
             .ttl_ms
@@ -1030,7 +1039,7 @@ impl Daemon {
             now + ttl,
         );
         self.share(endpoint, replica.best_rank, work as u64, ttl, held);
-        if let Query::Text(keys) = query {
+        if let Some(keys) = &probe.text {
             if !keys.is_empty() {
                 // Its text keys, held where it went (no work of their own: the salt's
                 // booking queues the prefill), so the salt's next requests can follow it

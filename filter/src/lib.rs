@@ -676,7 +676,7 @@ impl Request {
             book: routing.book.then(Booking::default),
             candidates: 1 + routing.fallbacks,
             tokens,
-            text: plan::probe_text_keys(self.router(), api, &body, &plan),
+            text: Some(plan::probe_text_keys(self.router(), api, &body, &plan).unwrap_or_default()),
         };
         let gateway = self.gateway();
         match callout(

@@ -153,7 +153,7 @@ fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
     assert!(stack.stat("wasmcustom.kvaffine.routed.new-salt") >= 4.0);
 }
 
-/// Before any replica's events show a new salt (held back 5 s here), its next requests
+/// Before any replica's events show a new salt (held back 60 s here), its next requests
 /// are routed by the probe too, and follow its first request only as far as they render
 /// alike: a sibling with the same template and document goes where the first went and is
 /// served from its cache (vLLM's usage says so), while one that offers tools (the same
@@ -162,7 +162,7 @@ fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
 fn a_new_salts_siblings_follow_its_first_request_only_where_they_render_alike() {
     let stack = Stack::start(StackConfig {
         filter: json!({"salt_probes": true}),
-        replica_args: vec!["--event-lag-ms".into(), "5000".into()],
+        replica_args: vec!["--event-lag-ms".into(), "60000".into()],
         ..StackConfig::default()
     })
     .unwrap();

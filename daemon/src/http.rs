@@ -130,13 +130,10 @@ async fn authorize(
     }
 }
 
-/// Reads a lookup body of either protocol as the current one, within `--max-keys`.
-fn read_lookup<T: serde::de::DeserializeOwned>(
-    daemon: &Daemon,
-    body: Result<Bytes, BytesRejection>,
-    current: impl FnOnce(T) -> LookupRequest,
-) -> Result<LookupRequest, ApiError> {
-    let body = body.map_err(|rejection| {
+/// A question's body, or why it was refused: too large is 413 (a filter reads 400 to a
+/// salt probe as a daemon that does not know its fields, and stops asking).
+fn question_body(daemon: &Daemon, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::TooLarge(format!(
                 "request body exceeds the limit for --max-keys {}",
@@ -145,7 +142,16 @@ fn read_lookup<T: serde::de::DeserializeOwned>(
         } else {
             ApiError::Body(rejection.body_text())
         }
-    })?;
+    })
+}
+
+/// Reads a lookup body of either protocol as the current one, within `--max-keys`.
+fn read_lookup<T: serde::de::DeserializeOwned>(
+    daemon: &Daemon,
+    body: Result<Bytes, BytesRejection>,
+    current: impl FnOnce(T) -> LookupRequest,
+) -> Result<LookupRequest, ApiError> {
+    let body = question_body(daemon, body)?;
     let request =
         current(serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?);
     if request.query.len() > daemon.settings.max_keys {
@@ -205,18 +211,7 @@ async fn salt_probe(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    // Too large is 413, not 400: a filter reads 400 as a daemon that does not know the
-    // probe's fields, and stops asking.
-    let body = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::TooLarge(format!(
-                "request body exceeds the limit for --max-keys {}",
-                daemon.settings.max_keys
-            ))
-        } else {
-            ApiError::Body(rejection.body_text())
-        }
-    })?;
+    let body = question_body(&daemon, body)?;
     let probe: SaltProbe =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
     let text_keys = probe.text.as_ref().map_or(0, Vec::len);

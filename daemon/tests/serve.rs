@@ -695,6 +695,13 @@ fn the_api_answers_bad_requests_with_json_errors() {
     assert!(body["error"].as_str().unwrap().contains("--max-keys 4"));
     let huge = format!(r#"{{"keys":[{}]}}"#, vec!["1"; 100_000].join(","));
     assert_eq!(daemon.json("POST", "/v1/lookup", &huge).0, 413);
+    // Salt probes too: 413 for a body or text over the limit, never the 400 a filter
+    // reads as a daemon that does not know the probe's fields.
+    let (status, body) = daemon.json("POST", "/v2/salt", r#"{"salt":1,"text":[1,2,3,4,5]}"#);
+    assert_eq!(status, 413);
+    assert!(body["error"].as_str().unwrap().contains("--max-keys 4"));
+    let huge = format!(r#"{{"salt":1,"text":[{}]}}"#, vec!["1"; 100_000].join(","));
+    assert_eq!(daemon.json("POST", "/v2/salt", &huge).0, 413);
     let answer = daemon.lookup(&[1, 2]);
     assert_eq!(
         answer,

@@ -908,9 +908,10 @@ impl Daemon {
     /// no cached prefix can match, and the request is routed and booked for the salt.
     /// With the probe's text keys, while the salt is booked (its picks made, their events
     /// not in yet), it is ranked as far as its text and template agree with where the
-    /// salt's earlier picks went, in estimated blocks: a sibling sharing the first request's document and
-    /// template follows it (`salt-booked`) unless that replica's queue costs more than a
-    /// cold prefill elsewhere (`saturated`); one that renders differently goes by load
+    /// salt's earlier picks went, in estimated blocks, the salt's own queued picks not
+    /// counting against it: a sibling sharing the first request's document and template
+    /// follows it (`salt-booked`) unless that replica's queue costs more than a cold
+    /// prefill elsewhere (`saturated`); one that renders differently goes by load
     /// (`new-salt`), as its tokens would have sent it. Without text keys (filters before
     /// them), a salt booked on a replica is ranked as if that replica held the whole
     /// request, the salt's own queued picks not counting against it.
@@ -946,6 +947,12 @@ impl Daemon {
         };
         let request_blocks = self.probe_blocks(probe);
         let mut ranking = self.rank_sized(&request, request_blocks, booked.as_deref(), &own, now);
+        if followed && ranking.replicas.iter().any(|r| r.record.matched_blocks > 0) {
+            // A request that extends where the salt went (its continuation, before the
+            // events) needs the salt's queued prefill wherever it goes: those picks do not
+            // push it off the replica it follows.
+            ranking = self.rank_sized(&request, request_blocks, None, &[BlockKey(probe.salt)], now);
+        }
         if held {
             self.metrics.salt_probes_held.inc();
             return SaltAnswer {

@@ -155,7 +155,8 @@ fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
 
 /// Before any replica's events show a new salt (held back 60 s here), its next requests
 /// are routed by the probe too, and follow its first request only as far as they render
-/// alike: a sibling with the same template and document goes where the first went and is
+/// alike: its continuation, sent at once, and a sibling with the same template and
+/// document go where the first went, the sibling
 /// served from its cache (vLLM's usage says so), while one that offers tools (the same
 /// text, other tokens from the first block) is not sent after it.
 #[test]
@@ -181,8 +182,25 @@ fn a_new_salts_siblings_follow_its_first_request_only_where_they_render_alike() 
     assert_eq!(first.status, 200, "{}", first.body);
     assert_eq!(first.header("x-kvaffine-reason"), Some("new-salt"));
     let warm = first.header("x-served-by").map(str::to_owned);
+    // Its continuation, at once: the first's booked prefill, still queued by kvaffined's
+    // clock, is one it needs wherever it goes, so it does not push it off.
+    let mut continued = sibling_of("task one");
+    continued.push(first.json()["choices"][0]["message"].clone());
+    continued.push(json!({"role": "user", "content": "continue"}));
+    let second = chat(
+        &stack,
+        &json!({"messages": continued, "max_tokens": 8, "cache_salt": "team"}),
+    );
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        second.header("x-kvaffine-reason"),
+        Some("salt-booked"),
+        "{:?}",
+        second.headers
+    );
+    assert_eq!(second.header("x-served-by").map(str::to_owned), warm);
     // Until the first's booked prefill has drained, the queue in front of it costs more
-    // than a cold prefill elsewhere.
+    // than a cold prefill elsewhere for a sibling, which needs only part of it.
     poll(
         "the first's booked prefill drained",
         Duration::from_secs(10),

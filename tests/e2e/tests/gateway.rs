@@ -56,6 +56,16 @@ fn cached(reply: &Reply) -> u64 {
         .unwrap_or(0)
 }
 
+/// The replica served at least 80% of the reply's prompt from its cache, by its usage.
+fn assert_mostly_cached(reply: &Reply) {
+    let prompt = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached(reply) * 10 >= prompt * 8,
+        "{} of {prompt} cached",
+        cached(reply)
+    );
+}
+
 #[test]
 fn a_continuation_is_pinned_to_the_warm_replica() {
     let stack = Stack::start(StackConfig::default()).unwrap();
@@ -85,12 +95,7 @@ fn a_continuation_is_pinned_to_the_warm_replica() {
             second.header("x-kvaffine-endpoint").map(str::to_owned),
             warm
         );
-        let prompt = second.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-        assert!(
-            cached(&second) * 10 >= prompt * 8,
-            "{} of {prompt} cached",
-            cached(&second)
-        );
+        assert_mostly_cached(&second);
     }
     assert!(stack.stat("wasmcustom.kvaffine.routed.prefix") >= 4.0);
 }
@@ -143,12 +148,7 @@ fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
             second.headers
         );
         assert_eq!(second.header("x-served-by").map(str::to_owned), warm);
-        let prompt = second.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-        assert!(
-            cached(&second) * 10 >= prompt * 8,
-            "{} of {prompt} cached",
-            cached(&second)
-        );
+        assert_mostly_cached(&second);
     }
     assert!(stack.stat("wasmcustom.kvaffine.routed.new-salt") >= 4.0);
 }
@@ -236,12 +236,7 @@ fn a_new_salts_siblings_follow_its_first_request_only_where_they_render_alike() 
         sibling.headers
     );
     assert_eq!(sibling.header("x-served-by").map(str::to_owned), warm);
-    let prompt = sibling.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!(
-        cached(&sibling) * 10 >= prompt * 8,
-        "{} of {prompt} cached",
-        cached(&sibling)
-    );
+    assert_mostly_cached(&sibling);
     let tools = json!([{"type": "function", "function": {"name": "search",
         "parameters": {"type": "object", "properties": {}}}}]);
     let other = chat(
@@ -304,8 +299,7 @@ fn a_salt_first_sent_around_the_gateway_is_routed_warm() {
             second.headers
         );
         assert_eq!(tokenizer_calls(&stack), calls + 1.0, "turn 2 was tokenized");
-        let prompt = second.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-        assert!(cached(&second) * 10 >= prompt * 8);
+        assert_mostly_cached(&second);
     }
 }
 

@@ -562,6 +562,19 @@ pub fn filter(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where precise mode's pause goes, from the filter's own Envoy histograms against the
+/// callouts timed directly and its work run natively -> `docs/benchmarks/filter-profile.md`.
+pub fn filter_profile() -> anyhow::Result<()> {
+    let table = stack_bench(&["filter-profile", "hash"])?;
+    let md = include_str!("bench_filter_profile.md")
+        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{TABLE}}", &table);
+    write(&sh::root().join("docs/benchmarks/filter-profile.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 /// The filter's cost with `report_outcomes` on and off, side by side in one run ->
 /// `docs/benchmarks/outcomes.md`.
 pub fn outcomes() -> anyhow::Result<()> {

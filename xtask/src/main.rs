@@ -38,6 +38,9 @@ commands:
   bench filter [--engine emu|vllm]
                 latency and CPU the filter adds in Envoy -> docs/benchmarks/filter.md
                 (real vLLM replicas and their /tokenize: docs/benchmarks/filter-vllm.md)
+  bench filter-profile
+                where precise mode's pause goes on the emulator: the filter's histograms,
+                the callouts timed directly, its work natively -> docs/benchmarks/filter-profile.md
   bench outcomes
                 the filter's cost with report_outcomes on and off -> docs/benchmarks/outcomes.md
   bench precise-cost
@@ -89,6 +92,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "daemon"] => bench::daemon(),
         ["bench", "scale"] => bench::scale(),
         ["bench", "filter", rest @ ..] => bench::filter(rest),
+        ["bench", "filter-profile"] => bench::filter_profile(),
         ["bench", "outcomes"] => bench::outcomes(),
         ["bench", "precise-cost"] => bench::precise_cost(),
         ["bench", "seed", rest @ ..] => bench::seed(rest),

@@ -30,6 +30,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
     }
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
+        Some("filter-profile") => filter_profile(args.get(1).map_or("hash", String::as_str)),
         Some("outcomes") => outcomes(),
         Some("precise-cost") => precise_cost(),
         Some("seed") => seed(
@@ -77,7 +78,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -436,6 +437,165 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
     }
     println!("{out}");
     Ok(())
+}
+
+/// `bench filter-profile hash|qwen`: where the filter's pause goes in precise mode, for
+/// sequential requests on the emulator. Per prompt size: `/direct/` (no filter), then
+/// precise with the prompt seen before and with a new prompt every request, 200 requests
+/// each after 20 to warm up. The pause and the two callouts are the means of the filter's
+/// own Envoy histograms over the arm; the same callouts are also timed straight from the
+/// client (one kept-alive connection); the filter's work (plan, token scan, keys, lookup
+/// body) is run natively on one of the arm's bodies and its tokenizer answer.
+fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
+    use kvaffine_core::api::Api;
+    use kvaffine_core::config::Mode;
+    use kvaffine_core::plan::{self, Action};
+    use kvaffine_core::protocol::{LookupRequest, Query};
+    use kvaffine_core::tokens;
+    use std::time::{Duration, Instant};
+
+    const REQUESTS: usize = 200;
+    const WARM_UP: usize = 20;
+    let stack = instant_stack(tokenizer_args(tokenizer)?)?;
+    let runtime = kvaffine_e2e::load::runtime()?;
+    let client = kvaffine_e2e::load::client()?;
+    let router = kvaffine_filter::config::FilterConfig::from_json(
+        br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":64}"#,
+    )?
+    .router;
+    let replica = stack.upstreams.first().context("no replica")?.http.clone();
+    let url = |prefix: &str| format!("http://{}{prefix}v1/chat/completions", stack.gateway);
+    let (direct, precise) = (url("/direct/"), url("/"));
+    let tokenize_url = format!("http://{replica}/tokenize");
+    let lookup_url = format!(
+        "http://{}{}",
+        stack.daemon_addr,
+        kvaffine_core::protocol::LOOKUP_PATH
+    );
+    let run = |url: &str, bodies: Bodies, total: usize| -> anyhow::Result<Latencies> {
+        let (latencies, failed) = runtime.block_on(closed_loop(&client, url, bodies, total, 1));
+        if failed > 0 {
+            bail!("{failed} of {total} requests to {url} failed");
+        }
+        Ok(latencies)
+    };
+    // (sum, count) of the filter's pause, tokenize and lookup histograms, once the pause
+    // histogram (merged from the workers at each stats flush) holds `routed` requests.
+    let histograms = ["added_latency_us", "tokenize_us", "lookup_us"];
+    let snapshot = |routed: usize| -> anyhow::Result<Vec<(f64, f64)>> {
+        let read = || -> Vec<(f64, f64)> {
+            histograms
+                .iter()
+                .map(|h| envoy_histogram(&stack, &format!("kvaffine_{h}")))
+                .collect()
+        };
+        kvaffine_e2e::poll(
+            "Envoy's histograms to hold every request",
+            Duration::from_secs(30),
+            || read().first().is_some_and(|(_, n)| *n >= routed as f64),
+        )?;
+        Ok(read())
+    };
+    let mut routed = 0usize;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "| prompt | precise | p50 | added p50 | filter paused | tokenize callout | `/tokenize` direct p50 | lookup callout | `/v2/lookup` direct p50 | kvaffined answering | rest of the pause | natively: plan | token scan | keys | lookup body |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )?;
+    for bytes in [2 * 1024, 32 * 1024, 220 * 1024] {
+        let template = prose_body(bytes, "SALTXXXXXXXX").to_string().into_bytes();
+        let tokens = prompt_tokens(&stack, &prose_body(bytes, "count"))?;
+        let label = format!("{} KB ({tokens} tokens)", bytes / 1024);
+        run(&direct, same(template.clone()), WARM_UP)?;
+        let direct_p50 = ms(run(&direct, same(template.clone()), REQUESTS)?.quantile(0.5));
+        let tokenize_p50 = ms(run(&tokenize_url, same(template.clone()), REQUESTS)?.quantile(0.5));
+        for (name, fresh) in [
+            ("prompt seen before", false),
+            ("new prompt every request", true),
+        ] {
+            let bodies = if fresh {
+                fresh_salts(template.clone(), bytes)
+            } else {
+                same(template.clone())
+            };
+            run(&precise, bodies.clone(), WARM_UP)?;
+            routed += WARM_UP;
+            let before = snapshot(routed)?;
+            let daemon_time = || {
+                let metric = |suffix: &str| {
+                    stack.daemon_metric(&format!("kvaffined_lookup_seconds_{suffix}"))
+                };
+                (metric("sum"), metric("count"))
+            };
+            let daemon_before = daemon_time();
+            let p50 = ms(run(&precise, bodies.clone(), REQUESTS)?.quantile(0.5));
+            let daemon_after = daemon_time();
+            let answering = (daemon_after.0 - daemon_before.0)
+                / (daemon_after.1 - daemon_before.1).max(1.0)
+                * 1e3;
+            routed += REQUESTS;
+            let after = snapshot(routed)?;
+            let mean =
+                |i: usize| (after[i].0 - before[i].0) / (after[i].1 - before[i].1).max(1.0) / 1e3;
+            // The filter's work natively, on one of the arm's bodies and its answer.
+            let sample = bodies(WARM_UP + REQUESTS);
+            let (status, answer) = vllm_emu::harness::http(
+                &replica,
+                "POST",
+                "/tokenize",
+                std::str::from_utf8(&sample)?,
+            );
+            if status != 200 {
+                bail!("/tokenize: {status} {answer}");
+            }
+            let (mut plans, mut scans, mut keys, mut lookup_bodies) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut lookup_body = Vec::new();
+            for _ in 0..50 {
+                let started = Instant::now();
+                let planned = plan::plan(&router, Api::ChatCompletions, Mode::Precise, &sample);
+                plans.push(ms(started.elapsed()));
+                let Action::Tokenize { .. } = planned.action else {
+                    bail!("the filter would not tokenize this body");
+                };
+                let started = Instant::now();
+                let list = tokens::token_list(answer.as_bytes()).context("no token list")?;
+                scans.push(ms(started.elapsed()));
+                let started = Instant::now();
+                let blocks = tokens::block_keys(&router, &planned.extras, &list, None);
+                keys.push(ms(started.elapsed()));
+                let started = Instant::now();
+                lookup_body = LookupRequest {
+                    query: Query::Blocks(blocks),
+                    model: planned.model,
+                    book: Some(Default::default()),
+                    candidates: 2,
+                }
+                .to_json();
+                lookup_bodies.push(ms(started.elapsed()));
+            }
+            let lookup_p50 = ms(run(&lookup_url, same(lookup_body), REQUESTS)?.quantile(0.5));
+            let (paused, tokenize, lookup) = (mean(0), mean(1), mean(2));
+            writeln!(
+                out,
+                "| {label} | {name} | {p50:.2} ms | {:.2} ms | {paused:.2} ms | {tokenize:.2} ms | {tokenize_p50:.2} ms | {lookup:.2} ms | {lookup_p50:.2} ms | {answering:.2} ms | {:.2} ms | {:.3} ms | {:.3} ms | {:.3} ms | {:.3} ms |",
+                p50 - direct_p50,
+                paused - tokenize - lookup,
+                median(plans),
+                median(scans),
+                median(keys),
+                median(lookup_bodies),
+            )?;
+        }
+    }
+    println!("{out}");
+    Ok(())
+}
+
+/// The median of `values` (NaN if none).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Tokens of a chat body, as the replicas' `/tokenize` counts them.
@@ -1526,10 +1686,6 @@ fn precise_cost() -> anyhow::Result<()> {
         }
         Ok(())
     };
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
     let mut out = String::new();
     // Turn 1s of new salts: no replica holds the salt, so the filter asks kvaffined and
     // pins by load without a tokenizer call. Each round a new salt through the gateway and
@@ -1619,7 +1775,7 @@ fn precise_cost() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
     for target in [1_500usize, 6_000, 30_000] {
         let n = (target as f64 / per_word) as usize;

@@ -93,7 +93,10 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
             post(record_outcomes).get(outcomes),
         )
         .route("/v1/explain", post(crate::console::explain))
-        .route(crate::peers::PEER_BOOKINGS_PATH, post(peer_bookings))
+        .route(
+            crate::peers::PEER_BOOKINGS_PATH,
+            post(peer_bookings).get(held_bookings),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             daemon.clone(),
             authorize,
@@ -201,8 +204,14 @@ async fn peer_bookings(
     let body = body.map_err(|rejection| ApiError::Body(rejection.body_text()))?;
     let batch: crate::peers::PeerBookings =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    daemon.hold_peer_bookings(&batch.bookings, Instant::now());
+    daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "received");
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `GET /v2/peer/bookings`: the live bookings held here, for a peer that starts.
+async fn held_bookings(State(daemon): State<Arc<Daemon>>) -> Response {
+    let bookings = daemon.ledger.lock().live(Instant::now());
+    axum::Json(crate::peers::PeerBookings { bookings }).into_response()
 }
 
 /// `POST /v2/salt`: whether a salted request can be routed without tokenizing.

@@ -44,8 +44,9 @@ pub struct ReasonLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PeerLabel {
     /// `sent` (to one peer), `failed` (a peer did not take them), `dropped` (the queue
-    /// to the peers was full), `received` (held here) or `unknown_stream` (a stream this
-    /// daemon does not follow).
+    /// to the peers was full), `received` (held here as made), `restored` (taken from a
+    /// peer at start), `already_stored` (its replica's events came first) or
+    /// `unknown_stream` (a stream this daemon does not follow).
     pub outcome: &'static str,
 }
 
@@ -211,7 +212,7 @@ impl Default for Metrics {
         );
         registry.register(
             "peer_bookings",
-            "Bookings shared with --peer daemons (sent, failed, dropped) and taken from them (received, unknown_stream)",
+            "Bookings shared with --peer daemons (sent, failed, dropped) and taken from them (received as made, restored at start, unknown_stream, already_stored)",
             peer_bookings.clone(),
         );
         registry.register(

@@ -4,8 +4,11 @@
 //! fresh prefix that reach another gateway before the replica's events would then scatter,
 //! and each daemon would count only its own gateway's queued prefill. With `--peer`, each
 //! booking is also sent to the other daemons, which hold it as their own (without sending
-//! it on): over the index API, with the daemon's own API token.
+//! it on): over the index API, with the daemon's own API token. A daemon that starts
+//! takes the bookings its peers hold ([`restore`]), so a restart does not forget the
+//! picks whose events are still on their way.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +28,13 @@ const QUEUE: usize = 10_000;
 /// Most bookings in one batch (their keys are bounded by `--max-keys` too), so a batch
 /// stays within the body bound every daemon of the fleet shares.
 const BATCH: usize = 256;
+
+/// Most bookings a daemon keeps for a peer that starts (the newest): bookings live for a
+/// TTL of seconds, so this covers hundreds of picks a second.
+const LEDGER: usize = 4_096;
+
+/// How long a starting daemon waits for a peer's bookings.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a peer has to take a batch.
 const SEND_TIMEOUT: Duration = Duration::from_millis(500);
@@ -85,6 +95,73 @@ impl Held {
 pub struct PeerBookings {
     /// The bookings, oldest first.
     pub bookings: Vec<PeerBooking>,
+}
+
+/// The live bookings a daemon holds (its own and its peers'), kept for a peer that starts:
+/// its own copies expire with it.
+#[derive(Debug, Default)]
+pub struct Ledger(VecDeque<(Instant, PeerBooking)>);
+
+impl Ledger {
+    /// Keeps `booking` until `expires`; past [`LEDGER`] bookings the oldest go.
+    pub fn remember(&mut self, booking: PeerBooking, expires: Instant, now: Instant) {
+        while self
+            .0
+            .front()
+            .is_some_and(|(until, _)| *until <= now || self.0.len() >= LEDGER)
+        {
+            self.0.pop_front();
+        }
+        self.0.push_back((expires, booking));
+    }
+
+    /// The bookings still live at `now`, each for what is left of its TTL. They carry what
+    /// they hold but no work: their prefill has partly drained by now, and a starting
+    /// daemon learns the replicas' queues from their metrics.
+    pub fn live(&self, now: Instant) -> Vec<PeerBooking> {
+        self.0
+            .iter()
+            .filter(|(until, _)| *until > now)
+            .map(|(until, booking)| PeerBooking {
+                work: 0,
+                ttl_ms: u64::try_from(until.duration_since(now).as_millis()).unwrap_or(u64::MAX),
+                ..booking.clone()
+            })
+            .collect()
+    }
+}
+
+/// Takes the live bookings of the first of `peers` that answers, as its own: a daemon
+/// that starts beside running peers then knows the picks made before it started (its own
+/// included, if it restarted: the peers hold those too). A peer of the release before,
+/// or none answering, leaves it with none, as before.
+pub async fn restore(
+    daemon: Arc<Daemon>,
+    peers: Vec<String>,
+    token: Option<String>,
+    client: reqwest::Client,
+) {
+    for peer in peers {
+        let mut request = client
+            .get(format!("http://{peer}{PEER_BOOKINGS_PATH}"))
+            .timeout(RESTORE_TIMEOUT);
+        if let Some(token) = &token {
+            request = request.bearer_auth(token);
+        }
+        let answer = match request.send().await.and_then(|r| r.error_for_status()) {
+            Ok(response) => response.json::<PeerBookings>().await,
+            Err(err) => Err(err),
+        };
+        match answer {
+            Ok(batch) => {
+                let taken = batch.bookings.len();
+                daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
+                tracing::info!(%peer, bookings = taken, "took the bookings a peer holds");
+                return;
+            }
+            Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
+        }
+    }
 }
 
 /// The daemons bookings go to (`HOST:PORT` of their API): the `--peer` flags and the
@@ -222,5 +299,44 @@ async fn forward(
             };
             daemon.metrics.count_peer_bookings(outcome, sent);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn booking(n: u64) -> PeerBooking {
+        PeerBooking {
+            endpoint: format!("10.0.0.{n}:8000"),
+            rank: 0,
+            work: 500,
+            ttl_ms: 10_000,
+            held: Held::Salt { salt: n },
+        }
+    }
+
+    #[test]
+    fn the_ledger_hands_on_live_bookings_only_and_the_newest_at_most() {
+        let now = Instant::now();
+        let mut ledger = Ledger::default();
+        ledger.remember(booking(1), now + Duration::from_millis(10), now);
+        ledger.remember(booking(2), now + Duration::from_secs(10), now);
+        let later = now + Duration::from_secs(1);
+        let live = ledger.live(later);
+        assert_eq!(live.len(), 1);
+        assert_eq!(live[0].held, Held::Salt { salt: 2 });
+        assert_eq!((live[0].work, live[0].ttl_ms), (0, 9_000));
+        for n in 0..LEDGER as u64 + 10 {
+            ledger.remember(booking(n), later + Duration::from_secs(10), later);
+        }
+        let live = ledger.live(later);
+        assert_eq!(live.len(), LEDGER);
+        assert_eq!(
+            live.last().map(|b| b.held.clone()),
+            Some(Held::Salt {
+                salt: LEDGER as u64 + 9
+            })
+        );
     }
 }

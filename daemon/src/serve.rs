@@ -86,7 +86,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let token = auth.as_ref().and_then(crate::auth::ApiTokens::first);
     let daemon = Arc::new(Daemon::with_auth(settings, auth));
     if !args.peers.is_empty() || args.config.is_some() {
-        let peering = crate::peers::spawn(daemon.clone(), peers.clone(), token, client.clone());
+        let peering =
+            crate::peers::spawn(daemon.clone(), peers.clone(), token.clone(), client.clone());
         let _ = daemon.peers.set(peering);
     }
     let fleet = Fleet {
@@ -98,6 +99,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         last_good: Mutex::new(HashMap::new()),
     };
     fleet.refresh(true).await?;
+    if daemon.peers.get().is_some() {
+        // The replicas are known now: take the picks the peers hold.
+        tokio::spawn(crate::peers::restore(
+            daemon.clone(),
+            fleet.peers.current(),
+            token.clone(),
+            fleet.client.clone(),
+        ));
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

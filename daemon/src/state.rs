@@ -55,6 +55,8 @@ pub struct Daemon {
     /// Where bookings made here are queued for the peers, and who they are (`--peer`, the
     /// config file's `peers`), when either is given.
     pub peers: std::sync::OnceLock<crate::peers::Peering>,
+    /// The live bookings held here, for a peer that starts (kept only with peers).
+    pub ledger: Mutex<crate::peers::Ledger>,
     /// Outcomes the filters reported: predictions against what replicas served.
     pub outcomes: Mutex<crate::outcomes::OutcomeLog>,
 }
@@ -363,6 +365,7 @@ impl Daemon {
             lookups: std::sync::atomic::AtomicUsize::new(0),
             auth,
             peers: std::sync::OnceLock::new(),
+            ledger: Mutex::default(),
         }
     }
 
@@ -788,7 +791,14 @@ impl Daemon {
             },
         };
         self.hold(slot, &record.endpoint, work as u64, &held, now, now + ttl);
-        self.share(&record.endpoint, replica.best_rank, work as u64, ttl, held);
+        self.share(
+            &record.endpoint,
+            replica.best_rank,
+            work as u64,
+            ttl,
+            held,
+            now,
+        );
         Some(record.endpoint.clone())
     }
 
@@ -805,9 +815,12 @@ impl Daemon {
     ) {
         match held {
             Held::Blocks { keys, windows } => {
-                self.backlogs
-                    .lock()
-                    .add(slot, work, keys.last().copied(), now);
+                // A booking restored from a peer carries no work.
+                if work > 0 {
+                    self.backlogs
+                        .lock()
+                        .add(slot, work, keys.last().copied(), now);
+                }
                 let keys: Vec<BlockKey> = keys.iter().copied().map(BlockKey).collect();
                 let windows: Vec<std::ops::Range<usize>> =
                     windows.iter().map(|&(start, end)| start..end).collect();
@@ -838,7 +851,15 @@ impl Daemon {
     }
 
     /// Queues a booking held here for the peers, if there are any.
-    fn share(&self, endpoint: &str, rank: u32, work: u64, ttl: std::time::Duration, held: Held) {
+    fn share(
+        &self,
+        endpoint: &str,
+        rank: u32,
+        work: u64,
+        ttl: std::time::Duration,
+        held: Held,
+        now: Instant,
+    ) {
         let Some(peers) = self.peers.get() else {
             return;
         };
@@ -849,15 +870,22 @@ impl Daemon {
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             held,
         };
+        self.ledger.lock().remember(booking.clone(), now + ttl, now);
         if peers.queue.try_send(booking).is_err() {
             self.metrics.count_peer_bookings("dropped", 1);
         }
     }
 
-    /// Holds bookings a peer made, as if made here (they are not sent on). A booking of a
-    /// stream this daemon does not follow is counted and skipped; one held longer than
-    /// ten of this daemon's booking TTLs is held that long.
-    pub fn hold_peer_bookings(&self, bookings: &[PeerBooking], now: Instant) {
+    /// Holds bookings a peer made, as if made here (they are not sent on), counted under
+    /// `outcome` (`received` as they are made, `restored` when taken at start). A booking
+    /// of a stream this daemon does not follow is counted and skipped; one held longer
+    /// than ten of this daemon's booking TTLs is held that long.
+    pub fn hold_peer_bookings(
+        &self,
+        bookings: &[PeerBooking],
+        now: Instant,
+        outcome: &'static str,
+    ) {
         let slots: HashMap<(String, u32), Slot> = self
             .endpoints
             .read()
@@ -891,7 +919,10 @@ impl Daemon {
                 now,
                 now + ttl,
             );
-            self.metrics.count_peer_bookings("received", 1);
+            if self.peers.get().is_some() {
+                self.ledger.lock().remember(booking.clone(), now + ttl, now);
+            }
+            self.metrics.count_peer_bookings(outcome, 1);
         }
     }
 
@@ -1045,7 +1076,7 @@ impl Daemon {
             now,
             now + ttl,
         );
-        self.share(endpoint, replica.best_rank, work as u64, ttl, held);
+        self.share(endpoint, replica.best_rank, work as u64, ttl, held, now);
         if let Some(keys) = &probe.text {
             if !keys.is_empty() {
                 // Its text keys, held where it went (no work of their own: the salt's
@@ -1055,7 +1086,7 @@ impl Daemon {
                     keys: keys.iter().map(|k| k.0).collect(),
                 };
                 self.hold(replica.best_slot, endpoint, 0, &held, now, now + ttl);
-                self.share(endpoint, replica.best_rank, 0, ttl, held);
+                self.share(endpoint, replica.best_rank, 0, ttl, held, now);
             }
         }
         Some(endpoint.clone())

@@ -1278,6 +1278,71 @@ fn peered_daemons_hold_each_others_bookings() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn a_daemon_that_starts_takes_the_bookings_its_peers_hold() {
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    let endpoints = [
+        "--endpoint".to_owned(),
+        endpoint_flag(A, &pa),
+        "--endpoint".to_owned(),
+        endpoint_flag(B, &pb),
+    ];
+    let args = |peer: Option<&str>| -> Vec<String> {
+        let mut args = endpoints.to_vec();
+        if let Some(peer) = peer {
+            args.extend(["--peer".to_owned(), peer.to_owned()]);
+        }
+        args
+    };
+    // The running daemon's peer is not up yet (its bookings to it fail): it still keeps
+    // what it holds for a daemon that starts.
+    let running_args = args(Some("127.0.0.1:9"));
+    let running =
+        DaemonProcess::start(&running_args.iter().map(String::as_str).collect::<Vec<_>>());
+    running.wait_ready();
+    let live = keys(&prompt(120, 6));
+    let body = json!({"keys": live, "book": {"ttl_ms": 60_000}}).to_string();
+    let (status, answer) = running.json("POST", "/v1/lookup", &body);
+    assert_eq!(status, 200, "{answer}");
+    let booked = answer["booked"].as_str().unwrap().to_owned();
+    let gone = keys(&prompt(121, 4));
+    let body = json!({"keys": gone, "book": {"ttl_ms": 1}}).to_string();
+    assert_eq!(running.json("POST", "/v1/lookup", &body).0, 200);
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    // What it hands a peer: the live booking, with what is left of its TTL and no work.
+    let (status, held) = running.json("GET", "/v2/peer/bookings", "");
+    assert_eq!(status, 200, "{held}");
+    let held = held["bookings"].as_array().unwrap().clone();
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(held[0]["endpoint"], booked.as_str());
+    assert_eq!(held[0]["work"], 0);
+    let ttl = held[0]["ttl_ms"].as_u64().unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
+    // A daemon that starts beside it takes the booking before any event.
+    let starting_args = args(Some(&running.addr));
+    let starting =
+        DaemonProcess::start(&starting_args.iter().map(String::as_str).collect::<Vec<_>>());
+    starting.wait_ready();
+    wait_for("the restored booking", || {
+        starting.metric("kvaffined_peer_bookings_total{outcome=\"restored\"} ") == 1.0
+    });
+    let seen = starting.lookup(&live);
+    assert_eq!(seen["ranked"][0], booked.as_str(), "{seen}");
+    assert_eq!(seen["reason"], "prefix", "{seen}");
+    let entry = DaemonProcess::record(&seen, &booked);
+    assert_eq!(entry["matched_blocks"], 6, "{entry}");
+    assert_eq!(entry["indexed_blocks"], 0, "{entry}");
+    let expired = starting.lookup(&gone);
+    for name in [A, B] {
+        assert_eq!(
+            DaemonProcess::record(&expired, name)["matched_blocks"],
+            0,
+            "{expired}"
+        );
+    }
+}
+
 /// A replica's HTTP server that only notes when `/metrics` is asked (milliseconds of the
 /// wall clock) and answers every request with an empty 200.
 fn scrape_recorder() -> (String, std::sync::Arc<std::sync::Mutex<Vec<f64>>>) {

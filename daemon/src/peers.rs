@@ -12,9 +12,10 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvaffine_core::PrefillSpeed;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::state::Daemon;
 
@@ -131,37 +132,93 @@ impl Ledger {
     }
 }
 
-/// Takes the live bookings of the first of `peers` that answers, as its own: a daemon
-/// that starts beside running peers then knows the picks made before it started (its own
-/// included, if it restarted: the peers hold those too). A peer of the release before,
-/// or none answering, leaves it with none, as before.
+/// Takes the live bookings and the replicas' measured speeds of the first of `peers` that
+/// answers each: a daemon that starts beside running peers then knows the picks made
+/// before it started (its own included, if it restarted: the peers hold those) and ranks
+/// each replica at the speed its peers measured until it has measured the replica itself.
+/// A peer of the release before, or none answering, leaves it with neither, as before.
 pub async fn restore(
     daemon: Arc<Daemon>,
     peers: Vec<String>,
     token: Option<String>,
     client: reqwest::Client,
 ) {
-    for peer in peers {
+    let get = |peer: &str, path: &str| {
         let mut request = client
-            .get(format!("http://{peer}{PEER_BOOKINGS_PATH}"))
+            .get(format!("http://{peer}{path}"))
             .timeout(RESTORE_TIMEOUT);
         if let Some(token) = &token {
             request = request.bearer_auth(token);
         }
-        let answer = match request.send().await.and_then(|r| r.error_for_status()) {
-            Ok(response) => response.json::<PeerBookings>().await,
-            Err(err) => Err(err),
-        };
-        match answer {
-            Ok(batch) => {
-                let taken = batch.bookings.len();
-                daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
-                tracing::info!(%peer, bookings = taken, "took the bookings a peer holds");
-                return;
+        request
+    };
+    let (mut bookings_taken, mut speeds_taken) = (false, false);
+    for peer in &peers {
+        if !bookings_taken {
+            match fetch::<PeerBookings>(get(peer, PEER_BOOKINGS_PATH)).await {
+                Ok(batch) => {
+                    daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
+                    info!(%peer, bookings = batch.bookings.len(), "took the bookings a peer holds");
+                    bookings_taken = true;
+                }
+                Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
             }
-            Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
+        }
+        if !speeds_taken {
+            match fetch::<serde_json::Value>(get(peer, "/v1/endpoints")).await {
+                Ok(endpoints) => {
+                    let speeds = measured_speeds(&endpoints);
+                    info!(%peer, replicas = speeds.len(), "took the prefill speeds a peer measured");
+                    daemon.peer_speeds.lock().extend(speeds);
+                    daemon.refresh_speeds(Instant::now());
+                    speeds_taken = true;
+                }
+                Err(err) => warn!(%peer, "no prefill speeds from this peer at start: {err}"),
+            }
+        }
+        if bookings_taken && speeds_taken {
+            return;
         }
     }
+}
+
+async fn fetch<T: serde::de::DeserializeOwned>(
+    request: reqwest::RequestBuilder,
+) -> reqwest::Result<T> {
+    request.send().await?.error_for_status()?.json().await
+}
+
+/// Each replica's speed as a peer's `/v1/endpoints` shows it measured by the peer itself
+/// (`prefill.measured_tokens_per_second` and `measured_overhead_ms`), by `HOST:PORT`.
+fn measured_speeds(endpoints: &serde_json::Value) -> Vec<(String, PrefillSpeed)> {
+    let Some(all) = endpoints["endpoints"].as_array() else {
+        return Vec::new();
+    };
+    let mut speeds: Vec<(String, PrefillSpeed)> = Vec::new();
+    for entry in all {
+        let prefill = &entry["prefill"];
+        let (Some(endpoint), Some(rate), Some(overhead_ms)) = (
+            entry["endpoint"].as_str(),
+            prefill["measured_tokens_per_second"].as_f64(),
+            prefill["measured_overhead_ms"].as_f64(),
+        ) else {
+            continue;
+        };
+        if !(rate.is_finite() && rate > 0.0 && overhead_ms.is_finite() && overhead_ms >= 0.0) {
+            continue;
+        }
+        // A replica's data-parallel ranks share its figures: the first one shown.
+        if speeds.iter().all(|(known, _)| known != endpoint) {
+            speeds.push((
+                endpoint.to_owned(),
+                PrefillSpeed {
+                    tokens_per_second: rate,
+                    overhead_tokens: overhead_ms / 1e3 * rate,
+                },
+            ));
+        }
+    }
+    speeds
 }
 
 /// The daemons bookings go to (`HOST:PORT` of their API): the `--peer` flags and the
@@ -314,6 +371,27 @@ mod tests {
             ttl_ms: 10_000,
             held: Held::Salt { salt: n },
         }
+    }
+
+    #[test]
+    fn a_peers_speeds_are_its_own_measurements_once_per_replica() {
+        let endpoints = serde_json::json!({"endpoints": [
+            {"endpoint": "a:1", "rank": 0, "prefill": {"source": "measured",
+                "measured_tokens_per_second": 2000.0, "measured_overhead_ms": 50.0}},
+            {"endpoint": "a:1", "rank": 1, "prefill": {"source": "measured",
+                "measured_tokens_per_second": 9000.0, "measured_overhead_ms": 1.0}},
+            {"endpoint": "b:1", "prefill": {"source": "fleet",
+                "measured_tokens_per_second": null, "measured_overhead_ms": null}},
+            {"endpoint": "c:1", "prefill": {"measured_tokens_per_second": -5.0,
+                "measured_overhead_ms": 1.0}},
+            {"endpoint": "d:1"}
+        ]});
+        let speeds = measured_speeds(&endpoints);
+        assert_eq!(speeds.len(), 1, "{speeds:?}");
+        assert_eq!(speeds[0].0, "a:1");
+        assert_eq!(speeds[0].1.tokens_per_second, 2000.0);
+        assert!((speeds[0].1.overhead_tokens - 100.0).abs() < 1e-9);
+        assert!(measured_speeds(&serde_json::json!({"endpoints": 3})).is_empty());
     }
 
     #[test]

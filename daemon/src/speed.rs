@@ -236,6 +236,9 @@ pub enum SpeedSource {
     /// The median of the measured replicas: it is not measured yet, or measured within
     /// 10% of that median.
     Fleet,
+    /// What a peer daemon measured of it, taken when this daemon started: it has not
+    /// measured the replica itself yet.
+    Peer,
     /// Nothing measured anywhere: [`PrefillSpeed::DEFAULT`].
     Default,
     /// `--prefill-tokens-per-second` (and `--request-overhead-tokens`) given.

@@ -20,7 +20,7 @@ use crate::index::{Depths, GPU, Group, MAX_SLOTS, PrefixIndex, Slot, longest_pre
 use crate::metrics::{EndpointLabel, Metrics};
 use crate::peers::{Held, PeerBooking};
 use crate::slots::SlotSet;
-use crate::speed::{SpeedLearner, SpeedView};
+use crate::speed::{SpeedLearner, SpeedSource, SpeedView};
 
 /// Everything the ingest threads, scrapers and HTTP handlers share.
 pub struct Daemon {
@@ -55,6 +55,9 @@ pub struct Daemon {
     /// Where bookings made here are queued for the peers, and who they are (`--peer`, the
     /// config file's `peers`), when either is given.
     pub peers: std::sync::OnceLock<crate::peers::Peering>,
+    /// What the peers had measured of each replica (by `HOST:PORT`) when this daemon
+    /// started: its speed until this daemon has measured the replica itself.
+    pub peer_speeds: Mutex<HashMap<String, PrefillSpeed>>,
     /// The live bookings held here, for a peer that starts (kept only with peers).
     pub ledger: Mutex<crate::peers::Ledger>,
     /// Outcomes the filters reported: predictions against what replicas served.
@@ -366,6 +369,7 @@ impl Daemon {
             auth,
             peers: std::sync::OnceLock::new(),
             ledger: Mutex::default(),
+            peer_speeds: Mutex::default(),
         }
     }
 
@@ -418,22 +422,31 @@ impl Daemon {
         self.speeds_stale.store(false, Ordering::Relaxed);
         *self.speeds_refreshed.lock() = Some(now);
         let endpoints = self.endpoints.read().clone();
-        // Replica -> (its measured speed, samples behind it), from its best-sampled rank.
+        // Replica -> (its measured speed, samples behind it), from its best-sampled rank,
+        // and whether that speed is a peer's (it has measured nothing itself yet).
         let mut replicas: Vec<(Option<PrefillSpeed>, u64)> = Vec::new();
+        let mut from_peer: Vec<bool> = Vec::new();
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
+        let peer_speeds = self.peer_speeds.lock();
         for endpoint in &endpoints {
             let status = endpoint.status.lock();
-            let (measured, samples) = (status.speed.measured(), status.speed.samples());
-            match places
-                .get(endpoint.spec.endpoint.as_str())
-                .and_then(|&i| replicas.get_mut(i))
-            {
-                Some(replica) if samples > replica.1 => *replica = (measured, samples),
+            let own = status.speed.measured();
+            let peer = own
+                .is_none()
+                .then(|| peer_speeds.get(&endpoint.spec.endpoint).copied())
+                .flatten();
+            let (measured, samples) = (own.or(peer), status.speed.samples());
+            match places.get(endpoint.spec.endpoint.as_str()).copied() {
+                Some(i) if replicas.get(i).is_some_and(|r| samples > r.1) => {
+                    replicas[i] = (measured, samples);
+                    from_peer[i] = peer.is_some();
+                }
                 Some(_) => {}
                 None => {
                     places.insert(&endpoint.spec.endpoint, replicas.len());
                     replicas.push((measured, samples));
+                    from_peer.push(peer.is_some());
                 }
             }
         }
@@ -441,14 +454,22 @@ impl Daemon {
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
         for endpoint in &endpoints {
-            let Some(view) = places
+            let Some((mut view, peer)) = places
                 .get(endpoint.spec.endpoint.as_str())
-                .and_then(|&i| views.get(i))
+                .and_then(|&i| Some((*views.get(i)?, from_peer.get(i).copied()?)))
             else {
                 continue;
             };
+            if peer {
+                // The figures are the peer's, not its own measurement.
+                if view.source == SpeedSource::Measured {
+                    view.source = SpeedSource::Peer;
+                }
+                view.measured_tokens_per_second = None;
+                view.measured_overhead_ms = None;
+            }
             if let Some(entry) = table.get_mut(endpoint.slot.index()) {
-                *entry = *view;
+                *entry = view;
             }
             backlogs.set_speed(endpoint.slot, view.tokens_per_second, now);
             let label = EndpointLabel {

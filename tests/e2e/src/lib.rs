@@ -838,6 +838,18 @@ impl Stack {
         Ok(())
     }
 
+    /// Starts one more kvaffined following the same replicas, peered with the stack's
+    /// (`--peer`), as a gateway pod that joins; stopped with the stack. Its address.
+    pub fn start_peer_daemon(&mut self) -> anyhow::Result<String> {
+        let mut config = self.config.clone();
+        config
+            .daemon_args
+            .extend(["--peer".to_owned(), self.daemon_addr.clone()]);
+        let (daemon, addr) = spawn_daemon(&config, &self.upstreams, "127.0.0.1:0")?;
+        self.spare_daemons.push((daemon, addr.clone()));
+        Ok(addr)
+    }
+
     /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the daemon: a daemon too slow to answer.
     pub fn freeze_daemon(&self, frozen: bool) -> anyhow::Result<()> {
         let pid = self.daemon.as_ref().map(Child::id).context("no daemon")?;

@@ -1010,7 +1010,7 @@ fn kvaffined_learns_each_replicas_prefill_speed_from_its_metrics() {
         .iter()
         .map(|r| Upstream::with_events(r.endpoint_flag()))
         .collect();
-    let stack = Stack::front(StackConfig::default(), upstreams).unwrap();
+    let mut stack = Stack::front(StackConfig::default(), upstreams).unwrap();
     let prefill = |endpoint: &str| -> Value {
         let (status, text) =
             vllm_emu::harness::http(&stack.daemon_addr, "GET", "/v1/endpoints", "");
@@ -1079,6 +1079,44 @@ fn kvaffined_learns_each_replicas_prefill_speed_from_its_metrics() {
             view["tokens_per_second"],
             view["measured_tokens_per_second"]
         );
+    }
+    // A daemon that starts beside it (a gateway pod joining, or this one restarting, with
+    // `--peer`) ranks each replica at what its peer measured before it has measured
+    // anything itself, rather than at the default.
+    let peer = stack.start_peer_daemon().unwrap();
+    let speeds_at = |daemon: &str| -> Vec<Value> {
+        let (status, text) = vllm_emu::harness::http(daemon, "GET", "/v1/endpoints", "");
+        assert_eq!(status, 200, "{text}");
+        let all: Value = serde_json::from_str(&text).unwrap();
+        replicas
+            .iter()
+            .map(|r| {
+                all["endpoints"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|e| e["endpoint"] == r.http.as_str())
+                    .map(|e| e["prefill"].clone())
+                    .unwrap()
+            })
+            .collect()
+    };
+    kvaffine_e2e::poll(
+        "the peer's speeds at the new daemon",
+        std::time::Duration::from_secs(20),
+        || speeds_at(&peer).iter().all(|p| p["source"] == "peer"),
+    )
+    .unwrap();
+    for (theirs, ours) in speeds_at(&peer).iter().zip(speeds_at(&stack.daemon_addr)) {
+        let rate = ours["measured_tokens_per_second"].as_f64().unwrap();
+        let overhead = ours["measured_overhead_ms"].as_f64().unwrap();
+        assert_eq!(theirs["tokens_per_second"].as_f64(), Some(rate), "{theirs}");
+        let taken = theirs["overhead_ms"].as_f64().unwrap();
+        assert!(
+            (taken / overhead - 1.0).abs() < 1e-9,
+            "{theirs} against {ours}"
+        );
+        assert!(theirs["measured_tokens_per_second"].is_null(), "{theirs}");
     }
     // Idle, the fast replica finishes a new prompt first: it is ranked first every time,
     // by load (nothing cached anywhere).

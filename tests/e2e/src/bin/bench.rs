@@ -452,7 +452,7 @@ fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
     use kvaffine_core::plan::{self, Action};
     use kvaffine_core::protocol::{LookupRequest, Query};
     use kvaffine_core::tokens;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     const REQUESTS: usize = 200;
     const WARM_UP: usize = 20;
@@ -479,22 +479,13 @@ fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
         }
         Ok(latencies)
     };
-    // (sum, count) of the filter's pause, tokenize and lookup histograms, once the pause
-    // histogram (merged from the workers at each stats flush) holds `routed` requests.
-    let histograms = ["added_latency_us", "tokenize_us", "lookup_us"];
-    let snapshot = |routed: usize| -> anyhow::Result<Vec<(f64, f64)>> {
-        let read = || -> Vec<(f64, f64)> {
-            histograms
-                .iter()
-                .map(|h| envoy_histogram(&stack, &format!("kvaffine_{h}")))
-                .collect()
-        };
-        kvaffine_e2e::poll(
-            "Envoy's histograms to hold every request",
-            Duration::from_secs(30),
-            || read().first().is_some_and(|(_, n)| *n >= routed as f64),
-        )?;
-        Ok(read())
+    // The filter's pause, tokenize and lookup histograms.
+    let snapshot = |routed: usize| {
+        filter_histograms(
+            &stack,
+            &["added_latency_us", "tokenize_us", "lookup_us"],
+            routed,
+        )
     };
     let mut routed = 0usize;
     let mut out = String::new();
@@ -1568,6 +1559,32 @@ fn envoy_histogram(stack: &Stack, name: &str) -> (f64, f64) {
     (value("sum"), value("count"))
 }
 
+/// (sum, count) of each of the filter's histograms `names` (`kvaffine_<name>` in Envoy's
+/// Prometheus output), once the first (merged from the workers at each stats flush) holds
+/// `routed` requests.
+fn filter_histograms(
+    stack: &Stack,
+    names: &[&str],
+    routed: usize,
+) -> anyhow::Result<Vec<(f64, f64)>> {
+    let read = || -> Vec<(f64, f64)> {
+        names
+            .iter()
+            .map(|h| envoy_histogram(stack, &format!("kvaffine_{h}")))
+            .collect()
+    };
+    kvaffine_e2e::poll(
+        "Envoy's histograms to hold every request",
+        std::time::Duration::from_secs(30),
+        || {
+            read()
+                .first()
+                .is_some_and(|(_, count)| *count >= routed as f64)
+        },
+    )?;
+    Ok(read())
+}
+
 /// `n` words that tokenize to several ids each, different per `seed`.
 fn words(seed: usize, n: usize) -> String {
     (0..n)
@@ -1592,7 +1609,7 @@ fn precise_cost() -> anyhow::Result<()> {
     use kvaffine_core::tokens;
     use kvaffine_e2e::client::{Connection, Reply};
     use std::collections::HashMap;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     const ROUNDS: usize = 25;
     let (stack, replicas) = real_stack(json!({"salt_probes": true}))?;
@@ -1627,28 +1644,17 @@ fn precise_cost() -> anyhow::Result<()> {
     // The filter's pause (headers to resume), its tokenizer and lookup callouts and its
     // salt probes, from Envoy, once its pause histogram (merged from the workers at each
     // stats flush) holds the `routed` requests: (sum, count) each.
-    let snapshot = |routed: usize| -> anyhow::Result<Vec<(f64, f64)>> {
-        let read = || -> Vec<(f64, f64)> {
-            [
+    let snapshot = |routed: usize| {
+        filter_histograms(
+            &stack,
+            &[
                 "added_latency_us",
                 "tokenize_us",
                 "lookup_us",
                 "salt_probe_us",
-            ]
-            .iter()
-            .map(|h| envoy_histogram(&stack, &format!("kvaffine_{h}")))
-            .collect()
-        };
-        kvaffine_e2e::poll(
-            "Envoy's histograms to hold every request",
-            Duration::from_secs(30),
-            || {
-                read()
-                    .first()
-                    .is_some_and(|(_, count)| *count >= routed as f64)
-            },
-        )?;
-        Ok(read())
+            ],
+            routed,
+        )
     };
     let mut routed = 0;
     let mut gateway_connection = Connection::open(&stack.gateway)?;

@@ -210,8 +210,9 @@ async fn peer_bookings(
 
 /// `GET /v2/peer/bookings`: the live bookings held here, for a peer that starts.
 async fn held_bookings(State(daemon): State<Arc<Daemon>>) -> Response {
-    let bookings = daemon.ledger.lock().live(Instant::now());
-    axum::Json(crate::peers::PeerBookings { bookings }).into_response()
+    let now = Instant::now();
+    let live = daemon.ledger.lock().live(now);
+    axum::Json(crate::peers::handed_on(&live, now)).into_response()
 }
 
 /// `POST /v2/salt`: whether a salted request can be routed without tokenizing.

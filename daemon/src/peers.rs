@@ -30,9 +30,16 @@ const QUEUE: usize = 10_000;
 /// stays within the body bound every daemon of the fleet shares.
 const BATCH: usize = 256;
 
-/// Most bookings a daemon keeps for a peer that starts (the newest): bookings live for a
-/// TTL of seconds, so this covers hundreds of picks a second.
-const LEDGER: usize = 4_096;
+/// Most bookings a daemon keeps for a peer that starts (the newest live ones): bookings
+/// live for a TTL of seconds, so this covers hundreds of picks a second.
+const LEDGER_BOOKINGS: usize = 4_096;
+
+/// Most keys those bookings hold in all (about 8 MiB of keys, 20 MB of JSON for the peer).
+const LEDGER_KEYS: usize = 1 << 20;
+
+/// How long a starting daemon waits for its replicas' replays before it holds its peers'
+/// bookings (so that those their events already confirmed are skipped).
+const RESTORE_AFTER_REPLAY: Duration = Duration::from_secs(10);
 
 /// How long a starting daemon waits for a peer's bookings.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -99,47 +106,74 @@ pub struct PeerBookings {
 }
 
 /// The live bookings a daemon holds (its own and its peers'), kept for a peer that starts:
-/// its own copies expire with it.
+/// its own copies expire with it. Shared, so a peer's copy is taken without holding the
+/// lock that every booked lookup takes.
 #[derive(Debug, Default)]
-pub struct Ledger(VecDeque<(Instant, PeerBooking)>);
+pub struct Ledger {
+    bookings: VecDeque<(Instant, Arc<PeerBooking>)>,
+    keys: usize,
+}
 
 impl Ledger {
-    /// Keeps `booking` until `expires`; past [`LEDGER`] bookings the oldest go.
-    pub fn remember(&mut self, booking: PeerBooking, expires: Instant, now: Instant) {
-        while self
-            .0
-            .front()
-            .is_some_and(|(until, _)| *until <= now || self.0.len() >= LEDGER)
-        {
-            self.0.pop_front();
+    /// Keeps `booking` until `expires`. Past [`LEDGER_BOOKINGS`] bookings or
+    /// [`LEDGER_KEYS`] keys, the expired go, then the oldest.
+    pub fn remember(&mut self, booking: Arc<PeerBooking>, expires: Instant, now: Instant) {
+        let full = |ledger: &Self| {
+            ledger.bookings.len() >= LEDGER_BOOKINGS
+                || ledger.keys + booking.held.keys() > LEDGER_KEYS
+        };
+        if full(self) {
+            self.bookings.retain(|(until, _)| *until > now);
+            self.keys = self.bookings.iter().map(|(_, b)| b.held.keys()).sum();
         }
-        self.0.push_back((expires, booking));
+        while full(self) {
+            let Some((_, oldest)) = self.bookings.pop_front() else {
+                break;
+            };
+            self.keys -= oldest.held.keys();
+        }
+        self.keys += booking.held.keys();
+        self.bookings.push_back((expires, booking));
     }
 
-    /// The bookings still live at `now`, each for what is left of its TTL. They carry what
-    /// they hold but no work: their prefill has partly drained by now, and a starting
-    /// daemon learns the replicas' queues from their metrics.
-    pub fn live(&self, now: Instant) -> Vec<PeerBooking> {
-        self.0
+    /// The bookings still live at `now` and when each expires.
+    pub fn live(&self, now: Instant) -> Vec<(Instant, Arc<PeerBooking>)> {
+        self.bookings
             .iter()
             .filter(|(until, _)| *until > now)
-            .map(|(until, booking)| PeerBooking {
-                work: 0,
-                ttl_ms: u64::try_from(until.duration_since(now).as_millis()).unwrap_or(u64::MAX),
-                ..booking.clone()
-            })
+            .cloned()
             .collect()
     }
 }
 
-/// Takes the live bookings and the replicas' measured speeds of the first of `peers` that
-/// answers each: a daemon that starts beside running peers then knows the picks made
-/// before it started (its own included, if it restarted: the peers hold those) and ranks
-/// each replica at the speed its peers measured until it has measured the replica itself.
-/// A peer of the release before, or none answering, leaves it with neither, as before.
+/// What a peer that starts is given of `live` bookings at `now`: each for what is left of
+/// its TTL, with what it holds but no work (its prefill has partly drained by now, and a
+/// starting daemon learns the replicas' queues from their metrics).
+pub fn handed_on(live: &[(Instant, Arc<PeerBooking>)], now: Instant) -> PeerBookings {
+    let bookings = live
+        .iter()
+        .map(|(until, booking)| PeerBooking {
+            work: 0,
+            ttl_ms: u64::try_from(until.saturating_duration_since(now).as_millis())
+                .unwrap_or(u64::MAX),
+            ..PeerBooking::clone(booking)
+        })
+        .collect();
+    PeerBookings { bookings }
+}
+
+/// Takes the live bookings and the replicas' measured speeds its `peers` hold (not
+/// `own`, this daemon's address): a daemon that starts beside running peers then knows the
+/// picks made before it started (its own included, if it restarted: the peers hold those)
+/// and ranks each replica at the speed a peer measured until it has measured the replica
+/// itself. Bookings come from the first peer that holds any, once the replicas' replays
+/// are in (or [`RESTORE_AFTER_REPLAY`] has passed); speeds from each peer in turn until
+/// every replica followed has one. A peer that does not answer, or answers 405 (the
+/// release before had no `GET` here), is passed over.
 pub async fn restore(
     daemon: Arc<Daemon>,
     peers: Vec<String>,
+    own: String,
     token: Option<String>,
     client: reqwest::Client,
 ) {
@@ -152,31 +186,56 @@ pub async fn restore(
         }
         request
     };
-    let (mut bookings_taken, mut speeds_taken) = (false, false);
-    for peer in &peers {
+    let peers: Vec<&String> = peers.iter().filter(|p| **p != own).collect();
+    let replayed_by = Instant::now() + RESTORE_AFTER_REPLAY;
+    while !daemon.ready() && Instant::now() < replayed_by {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let followed = || -> std::collections::HashSet<String> {
+        daemon
+            .endpoints
+            .read()
+            .iter()
+            .map(|e| e.spec.endpoint.clone())
+            .collect()
+    };
+    let mut bookings_taken = false;
+    for peer in peers {
         if !bookings_taken {
             match fetch::<PeerBookings>(get(peer, PEER_BOOKINGS_PATH)).await {
-                Ok(batch) => {
-                    daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
-                    info!(%peer, bookings = batch.bookings.len(), "took the bookings a peer holds");
+                Ok(batch) if !batch.bookings.is_empty() => {
+                    let held =
+                        daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
+                    info!(%peer, offered = batch.bookings.len(), held, "took the bookings a peer holds");
                     bookings_taken = true;
                 }
+                Ok(_) => {}
                 Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
             }
         }
-        if !speeds_taken {
+        let missing = {
+            let known = daemon.peer_speeds.lock();
+            followed().into_iter().any(|e| !known.contains_key(&e))
+        };
+        if missing {
             match fetch::<serde_json::Value>(get(peer, "/v1/endpoints")).await {
                 Ok(endpoints) => {
                     let speeds = measured_speeds(&endpoints);
-                    info!(%peer, replicas = speeds.len(), "took the prefill speeds a peer measured");
-                    daemon.peer_speeds.lock().extend(speeds);
-                    daemon.refresh_speeds(Instant::now());
-                    speeds_taken = true;
+                    let mut known = daemon.peer_speeds.lock();
+                    let before = known.len();
+                    for (endpoint, speed) in speeds {
+                        known.entry(endpoint).or_insert(speed);
+                    }
+                    let taken = known.len() - before;
+                    drop(known);
+                    if taken > 0 {
+                        info!(%peer, replicas = taken, "took the prefill speeds a peer measured");
+                        daemon.refresh_speeds(Instant::now());
+                    }
                 }
                 Err(err) => warn!(%peer, "no prefill speeds from this peer at start: {err}"),
             }
-        }
-        if bookings_taken && speeds_taken {
+        } else if bookings_taken {
             return;
         }
     }
@@ -398,23 +457,48 @@ mod tests {
     fn the_ledger_hands_on_live_bookings_only_and_the_newest_at_most() {
         let now = Instant::now();
         let mut ledger = Ledger::default();
-        ledger.remember(booking(1), now + Duration::from_millis(10), now);
-        ledger.remember(booking(2), now + Duration::from_secs(10), now);
+        ledger.remember(Arc::new(booking(1)), now + Duration::from_secs(100), now);
+        ledger.remember(Arc::new(booking(2)), now + Duration::from_millis(10), now);
+        ledger.remember(Arc::new(booking(3)), now + Duration::from_secs(10), now);
         let later = now + Duration::from_secs(1);
-        let live = ledger.live(later);
-        assert_eq!(live.len(), 1);
-        assert_eq!(live[0].held, Held::Salt { salt: 2 });
-        assert_eq!((live[0].work, live[0].ttl_ms), (0, 9_000));
-        for n in 0..LEDGER as u64 + 10 {
-            ledger.remember(booking(n), later + Duration::from_secs(10), later);
+        let handed = handed_on(&ledger.live(later), later).bookings;
+        let salts: Vec<Held> = handed.iter().map(|b| b.held.clone()).collect();
+        assert_eq!(salts, [Held::Salt { salt: 1 }, Held::Salt { salt: 3 }]);
+        assert_eq!((handed[1].work, handed[1].ttl_ms), (0, 9_000));
+        // Full: the expired go first (booking 2, behind a longer-lived one), then the
+        // oldest.
+        for n in 10..10 + LEDGER_BOOKINGS as u64 - 2 {
+            ledger.remember(Arc::new(booking(n)), later + Duration::from_secs(10), later);
         }
         let live = ledger.live(later);
-        assert_eq!(live.len(), LEDGER);
+        assert_eq!(live.len(), LEDGER_BOOKINGS);
+        assert_eq!(live[0].1.held, Held::Salt { salt: 1 });
+        ledger.remember(Arc::new(booking(7)), later + Duration::from_secs(10), later);
+        let live = ledger.live(later);
+        assert_eq!(live.len(), LEDGER_BOOKINGS);
+        assert_eq!(live[0].1.held, Held::Salt { salt: 3 });
         assert_eq!(
-            live.last().map(|b| b.held.clone()),
-            Some(Held::Salt {
-                salt: LEDGER as u64 + 9
-            })
+            live.last().map(|(_, b)| b.held.clone()),
+            Some(Held::Salt { salt: 7 })
         );
+    }
+
+    #[test]
+    fn the_ledger_is_bounded_by_keys_too() {
+        let now = Instant::now();
+        let mut ledger = Ledger::default();
+        let big = |n: u64| PeerBooking {
+            held: Held::Text {
+                keys: vec![n; LEDGER_KEYS / 2],
+            },
+            ..booking(n)
+        };
+        for n in 0..3 {
+            ledger.remember(Arc::new(big(n)), now + Duration::from_secs(10), now);
+        }
+        let live = ledger.live(now);
+        assert_eq!(live.len(), 2);
+        assert_eq!(live[0].1.held.keys(), LEDGER_KEYS / 2);
+        assert_eq!(live[0].1.endpoint, "10.0.0.1:8000");
     }
 }

@@ -99,15 +99,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         last_good: Mutex::new(HashMap::new()),
     };
     fleet.refresh(true).await?;
-    if daemon.peers.get().is_some() {
-        // The replicas are known now: take the picks the peers hold.
-        tokio::spawn(crate::peers::restore(
-            daemon.clone(),
-            fleet.peers.current(),
-            token.clone(),
-            fleet.client.clone(),
-        ));
-    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -115,6 +106,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     info!(listen = %local, endpoints = daemon.endpoints.read().len(), "kvaffined serving");
     // One machine-readable line, so scripts and tests that bind port 0 learn the port.
     println!("listening on {local}");
+    if daemon.peers.get().is_some() {
+        // The replicas are known now: take what the peers hold.
+        tokio::spawn(crate::peers::restore(
+            daemon.clone(),
+            fleet.peers.current(),
+            local.to_string(),
+            token,
+            fleet.client.clone(),
+        ));
+    }
     let speeds = daemon.clone();
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(crate::state::SPEED_REFRESH_GAP);

@@ -422,41 +422,45 @@ impl Daemon {
         self.speeds_stale.store(false, Ordering::Relaxed);
         *self.speeds_refreshed.lock() = Some(now);
         let endpoints = self.endpoints.read().clone();
-        // Replica -> (its measured speed, samples behind it), from its best-sampled rank,
-        // and whether that speed is a peer's (it has measured nothing itself yet).
-        let mut replicas: Vec<(Option<PrefillSpeed>, u64)> = Vec::new();
-        let mut from_peer: Vec<bool> = Vec::new();
+        // Replica -> (its measured speed, samples behind it, whether that speed is a
+        // peer's: it has measured nothing itself yet), from its best-sampled rank.
+        let mut replicas: Vec<(Option<PrefillSpeed>, u64, bool)> = Vec::new();
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
-        let peer_speeds = self.peer_speeds.lock();
+        let mut peer_speeds = self.peer_speeds.lock();
         for endpoint in &endpoints {
             let status = endpoint.status.lock();
             let own = status.speed.measured();
-            let peer = own
-                .is_none()
-                .then(|| peer_speeds.get(&endpoint.spec.endpoint).copied())
-                .flatten();
-            let (measured, samples) = (own.or(peer), status.speed.samples());
-            match places.get(endpoint.spec.endpoint.as_str()).copied() {
-                Some(i) if replicas.get(i).is_some_and(|r| samples > r.1) => {
-                    replicas[i] = (measured, samples);
-                    from_peer[i] = peer.is_some();
-                }
+            let peer = match own {
+                // Measured here now: the peer's figure is not needed again.
+                Some(_) => peer_speeds.remove(&endpoint.spec.endpoint).and(None),
+                None => peer_speeds.get(&endpoint.spec.endpoint).copied(),
+            };
+            let replica = (own.or(peer), status.speed.samples(), peer.is_some());
+            match places
+                .get(endpoint.spec.endpoint.as_str())
+                .and_then(|&i| replicas.get_mut(i))
+            {
+                Some(known) if replica.1 > known.1 => *known = replica,
                 Some(_) => {}
                 None => {
                     places.insert(&endpoint.spec.endpoint, replicas.len());
-                    replicas.push((measured, samples));
-                    from_peer.push(peer.is_some());
+                    replicas.push(replica);
                 }
             }
         }
-        let views = crate::speed::speeds(&replicas, self.settings.speed_flags);
+        drop(peer_speeds);
+        let measured: Vec<(Option<PrefillSpeed>, u64)> = replicas
+            .iter()
+            .map(|&(speed, samples, _)| (speed, samples))
+            .collect();
+        let views = crate::speed::speeds(&measured, self.settings.speed_flags);
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
         for endpoint in &endpoints {
             let Some((mut view, peer)) = places
                 .get(endpoint.spec.endpoint.as_str())
-                .and_then(|&i| Some((*views.get(i)?, from_peer.get(i).copied()?)))
+                .and_then(|&i| Some((*views.get(i)?, replicas.get(i)?.2)))
             else {
                 continue;
             };
@@ -858,8 +862,10 @@ impl Daemon {
             }
             Held::Salt { salt } => {
                 // Queued under the salt's tag: its events' first block of the salt
-                // confirms it.
-                self.backlogs.lock().add(slot, work, Some(*salt), now);
+                // confirms it. A booking restored from a peer carries no work.
+                if work > 0 {
+                    self.backlogs.lock().add(slot, work, Some(*salt), now);
+                }
                 if !self
                     .salt_bookings
                     .lock()
@@ -891,7 +897,9 @@ impl Daemon {
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             held,
         };
-        self.ledger.lock().remember(booking.clone(), now + ttl, now);
+        self.ledger
+            .lock()
+            .remember(Arc::new(booking.clone()), now + ttl, now);
         if peers.queue.try_send(booking).is_err() {
             self.metrics.count_peer_bookings("dropped", 1);
         }
@@ -900,13 +908,14 @@ impl Daemon {
     /// Holds bookings a peer made, as if made here (they are not sent on), counted under
     /// `outcome` (`received` as they are made, `restored` when taken at start). A booking
     /// of a stream this daemon does not follow is counted and skipped; one held longer
-    /// than ten of this daemon's booking TTLs is held that long.
+    /// than ten of this daemon's booking TTLs is held that long. Returns how many it holds.
     pub fn hold_peer_bookings(
         &self,
         bookings: &[PeerBooking],
         now: Instant,
         outcome: &'static str,
-    ) {
+    ) -> usize {
+        let mut held = 0;
         let slots: HashMap<(String, u32), Slot> = self
             .endpoints
             .read()
@@ -941,10 +950,14 @@ impl Daemon {
                 now + ttl,
             );
             if self.peers.get().is_some() {
-                self.ledger.lock().remember(booking.clone(), now + ttl, now);
+                self.ledger
+                    .lock()
+                    .remember(Arc::new(booking.clone()), now + ttl, now);
             }
             self.metrics.count_peer_bookings(outcome, 1);
+            held += 1;
         }
+        held
     }
 
     /// Ranks, then books if asked, counting the outcome.

@@ -1288,16 +1288,16 @@ fn a_daemon_that_starts_takes_the_bookings_its_peers_hold() {
         "--endpoint".to_owned(),
         endpoint_flag(B, &pb),
     ];
-    let args = |peer: Option<&str>| -> Vec<String> {
+    let args = |peers: &[&str]| -> Vec<String> {
         let mut args = endpoints.to_vec();
-        if let Some(peer) = peer {
-            args.extend(["--peer".to_owned(), peer.to_owned()]);
+        for peer in peers {
+            args.extend(["--peer".to_owned(), peer.to_string()]);
         }
         args
     };
     // The running daemon's peer is not up yet (its bookings to it fail): it still keeps
     // what it holds for a daemon that starts.
-    let running_args = args(Some("127.0.0.1:9"));
+    let running_args = args(&["127.0.0.1:9"]);
     let running =
         DaemonProcess::start(&running_args.iter().map(String::as_str).collect::<Vec<_>>());
     running.wait_ready();
@@ -1319,8 +1319,9 @@ fn a_daemon_that_starts_takes_the_bookings_its_peers_hold() {
     assert_eq!(held[0]["work"], 0);
     let ttl = held[0]["ttl_ms"].as_u64().unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
-    // A daemon that starts beside it takes the booking before any event.
-    let starting_args = args(Some(&running.addr));
+    // A daemon that starts beside it takes the booking before any event, passing over a
+    // peer that does not answer.
+    let starting_args = args(&["127.0.0.1:9", &running.addr]);
     let starting =
         DaemonProcess::start(&starting_args.iter().map(String::as_str).collect::<Vec<_>>());
     starting.wait_ready();
@@ -1341,6 +1342,11 @@ fn a_daemon_that_starts_takes_the_bookings_its_peers_hold() {
             "{expired}"
         );
     }
+    // What it took is held, not sent back.
+    assert_eq!(
+        running.metric("kvaffined_peer_bookings_total{outcome=\"received\"} "),
+        0.0
+    );
 }
 
 /// A replica's HTTP server that only notes when `/metrics` is asked (milliseconds of the

@@ -166,6 +166,8 @@ pub struct Stack {
     pub daemon_addr: String,
     /// Further active-active daemons and their addresses.
     spare_daemons: Vec<(Child, String)>,
+    /// Daemons started beside the stack's, peered with it (not behind the gateway).
+    peer_daemons: Vec<Child>,
     /// The gateway process (Envoy or kong-host).
     gateway_process: Option<Child>,
     /// `HOST:PORT` of the gateway.
@@ -438,6 +440,7 @@ impl Stack {
             daemon,
             daemon_addr,
             spare_daemons,
+            peer_daemons: Vec::new(),
             gateway_process: None,
             gateway: String::new(),
             admin: String::new(),
@@ -846,7 +849,7 @@ impl Stack {
             .daemon_args
             .extend(["--peer".to_owned(), self.daemon_addr.clone()]);
         let (daemon, addr) = spawn_daemon(&config, &self.upstreams, "127.0.0.1:0")?;
-        self.spare_daemons.push((daemon, addr.clone()));
+        self.peer_daemons.push(daemon);
         Ok(addr)
     }
 
@@ -932,6 +935,7 @@ impl Drop for Stack {
             .into_iter()
             .flatten()
             .chain(spares)
+            .chain(self.peer_daemons.drain(..))
         {
             let _ = child.kill();
             let _ = child.wait();

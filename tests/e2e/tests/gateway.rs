@@ -1107,15 +1107,20 @@ fn kvaffined_learns_each_replicas_prefill_speed_from_its_metrics() {
         || speeds_at(&peer).iter().all(|p| p["source"] == "peer"),
     )
     .unwrap();
+    // The first daemon may have learned from one more scrape since the new one asked: the
+    // figures agree closely, not exactly (the two replicas stand 3x apart, and the
+    // default is 5,000 tokens/s).
     for (theirs, ours) in speeds_at(&peer).iter().zip(speeds_at(&stack.daemon_addr)) {
-        let rate = ours["measured_tokens_per_second"].as_f64().unwrap();
-        let overhead = ours["measured_overhead_ms"].as_f64().unwrap();
-        assert_eq!(theirs["tokens_per_second"].as_f64(), Some(rate), "{theirs}");
-        let taken = theirs["overhead_ms"].as_f64().unwrap();
-        assert!(
-            (taken / overhead - 1.0).abs() < 1e-9,
-            "{theirs} against {ours}"
-        );
+        let near = |key: &str, measured: &str| {
+            let taken = theirs[key].as_f64().unwrap();
+            let measured = ours[measured].as_f64().unwrap();
+            assert!(
+                (taken / measured - 1.0).abs() < 0.15,
+                "{key}: {theirs} against {ours}"
+            );
+        };
+        near("tokens_per_second", "measured_tokens_per_second");
+        near("overhead_ms", "measured_overhead_ms");
         assert!(theirs["measured_tokens_per_second"].is_null(), "{theirs}");
     }
     // Idle, the fast replica finishes a new prompt first: it is ranked first every time,

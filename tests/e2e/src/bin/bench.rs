@@ -504,12 +504,15 @@ fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
             ("prompt seen before", false),
             ("new prompt every request", true),
         ] {
-            let bodies = if fresh {
-                fresh_salts(template.clone(), bytes)
-            } else {
-                same(template.clone())
+            // New prompts: the warm-up's salts and the measured ones differ.
+            let bodies = |run: usize| {
+                if fresh {
+                    fresh_salts(template.clone(), bytes + run)
+                } else {
+                    same(template.clone())
+                }
             };
-            run(&precise, bodies.clone(), WARM_UP)?;
+            run(&precise, bodies(0), WARM_UP)?;
             routed += WARM_UP;
             let before = snapshot(routed)?;
             let daemon_time = || {
@@ -519,7 +522,8 @@ fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
                 (metric("sum"), metric("count"))
             };
             let daemon_before = daemon_time();
-            let p50 = ms(run(&precise, bodies.clone(), REQUESTS)?.quantile(0.5));
+            let measured_bodies = bodies(1);
+            let p50 = ms(run(&precise, measured_bodies.clone(), REQUESTS)?.quantile(0.5));
             let daemon_after = daemon_time();
             let answering = (daemon_after.0 - daemon_before.0)
                 / (daemon_after.1 - daemon_before.1).max(1.0)
@@ -529,7 +533,7 @@ fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
             let mean =
                 |i: usize| (after[i].0 - before[i].0) / (after[i].1 - before[i].1).max(1.0) / 1e3;
             // The filter's work natively, on one of the arm's bodies and its answer.
-            let sample = bodies(WARM_UP + REQUESTS);
+            let sample = measured_bodies(REQUESTS / 2);
             let (status, answer) = vllm_emu::harness::http(
                 &replica,
                 "POST",
@@ -1781,7 +1785,7 @@ fn precise_cost() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
     for target in [1_500usize, 6_000, 30_000] {
         let n = (target as f64 / per_word) as usize;

@@ -319,10 +319,16 @@ impl PeerList {
     }
 }
 
+/// A batch as [`PeerBookings`] reads it, written from the shared bookings.
+#[derive(Serialize)]
+struct Outgoing<'a> {
+    bookings: Vec<&'a PeerBooking>,
+}
+
 /// A daemon's link to its peers: where its bookings are queued, and whom they go to.
 pub struct Peering {
-    /// Bookings made here, waiting to be sent.
-    pub queue: mpsc::Sender<PeerBooking>,
+    /// Bookings made here, waiting to be sent (shared with the ledger, not copied).
+    pub queue: mpsc::Sender<Arc<PeerBooking>>,
     /// The peers as configured now.
     pub list: Arc<PeerList>,
 }
@@ -344,14 +350,14 @@ pub fn spawn(
 /// its way goes in the next one.
 async fn forward(
     daemon: Arc<Daemon>,
-    mut queued: mpsc::Receiver<PeerBooking>,
+    mut queued: mpsc::Receiver<Arc<PeerBooking>>,
     peers: Arc<PeerList>,
     token: Option<String>,
     client: reqwest::Client,
 ) {
     let max_keys = daemon.settings.max_keys;
     let mut warned: std::collections::HashMap<String, Instant> = Default::default();
-    let mut next: Option<PeerBooking> = None;
+    let mut next: Option<Arc<PeerBooking>> = None;
     loop {
         let first = match next.take() {
             Some(first) => first,
@@ -375,7 +381,10 @@ async fn forward(
         }
         let sent = batch.len() as u64;
         let peers = peers.current();
-        let body = match serde_json::to_vec(&PeerBookings { bookings: batch }) {
+        let outgoing = Outgoing {
+            bookings: batch.iter().map(Arc::as_ref).collect(),
+        };
+        let body = match serde_json::to_vec(&outgoing) {
             Ok(body) => axum::body::Bytes::from(body),
             Err(_) => continue,
         };

@@ -431,10 +431,12 @@ impl Daemon {
         for endpoint in &endpoints {
             let status = endpoint.status.lock();
             let own = status.speed.measured();
-            let peer = match own {
+            let peer = if own.is_some() {
                 // Measured here now: the peer's figure is not needed again.
-                Some(_) => peer_speeds.remove(&endpoint.spec.endpoint).and(None),
-                None => peer_speeds.get(&endpoint.spec.endpoint).copied(),
+                peer_speeds.remove(&endpoint.spec.endpoint);
+                None
+            } else {
+                peer_speeds.get(&endpoint.spec.endpoint).copied()
             };
             let replica = (own.or(peer), status.speed.samples(), peer.is_some());
             match places
@@ -890,16 +892,14 @@ impl Daemon {
         let Some(peers) = self.peers.get() else {
             return;
         };
-        let booking = PeerBooking {
+        let booking = Arc::new(PeerBooking {
             endpoint: endpoint.to_owned(),
             rank,
             work,
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             held,
-        };
-        self.ledger
-            .lock()
-            .remember(Arc::new(booking.clone()), now + ttl, now);
+        });
+        self.ledger.lock().remember(booking.clone(), now + ttl, now);
         if peers.queue.try_send(booking).is_err() {
             self.metrics.count_peer_bookings("dropped", 1);
         }
@@ -1005,19 +1005,29 @@ impl Daemon {
         } else {
             self.salt_bookings.lock().get(probe.salt, now)
         };
-        let own = if by_text {
+        let request_blocks = self.probe_blocks(probe);
+        // A request that extends where the salt went (its continuation, before the events)
+        // needs the salt's queued prefill wherever it goes: those picks do not push it off
+        // the replica it follows. One that matches nothing still counts them, so a burst
+        // of the tenant's other templates spreads.
+        let follows = match &request.query {
+            Query::Text(keys) if !keys.is_empty() => {
+                let depths = self.history.read().longest_prefixes(keys);
+                self.endpoints.read().iter().any(|e| {
+                    // In estimated blocks, as the ranking counts them.
+                    (depths.get(e.slot.index()) as usize).saturating_mul(request_blocks)
+                        / keys.len()
+                        > 0
+                })
+            }
+            _ => false,
+        };
+        let own = if by_text && !follows {
             Vec::new()
         } else {
             vec![BlockKey(probe.salt)]
         };
-        let request_blocks = self.probe_blocks(probe);
         let mut ranking = self.rank_sized(&request, request_blocks, booked.as_deref(), &own, now);
-        if followed && ranking.replicas.iter().any(|r| r.record.matched_blocks > 0) {
-            // A request that extends where the salt went (its continuation, before the
-            // events) needs the salt's queued prefill wherever it goes: those picks do not
-            // push it off the replica it follows.
-            ranking = self.rank_sized(&request, request_blocks, None, &[BlockKey(probe.salt)], now);
-        }
         if held {
             self.metrics.salt_probes_held.inc();
             return SaltAnswer {

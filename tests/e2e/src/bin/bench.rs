@@ -459,10 +459,7 @@ fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
     let stack = instant_stack(tokenizer_args(tokenizer)?)?;
     let runtime = kvaffine_e2e::load::runtime()?;
     let client = kvaffine_e2e::load::client()?;
-    let router = kvaffine_filter::config::FilterConfig::from_json(
-        br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":64}"#,
-    )?
-    .router;
+    let router = filter_router()?;
     let replica = stack.upstreams.first().context("no replica")?.http.clone();
     let url = |prefix: &str| format!("http://{}{prefix}v1/chat/completions", stack.gateway);
     let (direct, precise) = (url("/direct/"), url("/"));
@@ -585,6 +582,15 @@ fn filter_profile(tokenizer: &str) -> anyhow::Result<()> {
     }
     println!("{out}");
     Ok(())
+}
+
+/// The filter's routing settings for the benchmark stacks (64-token blocks), to run its
+/// work natively beside it.
+fn filter_router() -> anyhow::Result<kvaffine_core::config::Router> {
+    Ok(kvaffine_filter::config::FilterConfig::from_json(
+        br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":64}"#,
+    )?
+    .router)
 }
 
 /// The median of `values` (NaN if none).
@@ -1631,10 +1637,7 @@ fn precise_cost() -> anyhow::Result<()> {
         }
         body
     };
-    let router = kvaffine_filter::config::FilterConfig::from_json(
-        br#"{"tokenizer_cluster":"t","index_cluster":"i","block_size":64}"#,
-    )?
-    .router;
+    let router = filter_router()?;
     let tokenizer = stack.upstreams.first().context("no replica")?.http.clone();
     // Tokens per word of this prose under the chat template.
     let count = |body: &serde_json::Value| -> anyhow::Result<u64> {

@@ -61,6 +61,12 @@ pub struct ServeArgs {
     /// to these.
     #[arg(long = "peer", value_parser = parse_peer)]
     pub peers: Vec<String>,
+    /// `NAME:PORT` whose DNS records are peers, as with `--peer` (a headless Service of the
+    /// gateway pods, on this daemon's API port): re-resolved every second. The answer may
+    /// hold this daemon too: it finds itself by the name it sends its peers and leaves
+    /// itself out. Repeatable.
+    #[arg(long = "peer-dns", value_parser = parse_peer)]
+    pub peer_dns: Vec<String>,
     /// The replicas' `kv-events-config` topic.
     #[arg(long, default_value = "")]
     pub topic: String,

@@ -178,13 +178,9 @@ impl DnsReplicas {
         sources: Arc<EventSourcesCache>,
         resolver: Box<dyn Resolve>,
     ) -> anyhow::Result<Self> {
-        let (host, port) = name
-            .rsplit_once(':')
-            .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
-            .filter(|(h, _)| !h.is_empty())
-            .with_context(|| format!("--discover-dns {name:?}: expected NAME:PORT"))?;
+        let (host, port) = dns_name("--discover-dns", name)?;
         Ok(Self {
-            host: host.to_owned(),
+            host,
             port,
             resolver,
             sources,
@@ -197,15 +193,7 @@ impl DnsReplicas {
     /// the name did not resolve).
     async fn addresses(&self) -> (BTreeSet<String>, bool) {
         match self.resolver.resolve(&self.host, self.port).await {
-            Ok(all) => {
-                let v4 = all.iter().any(std::net::SocketAddr::is_ipv4);
-                let chosen = all
-                    .iter()
-                    .filter(|a| a.is_ipv4() == v4)
-                    .map(ToString::to_string)
-                    .collect();
-                (chosen, true)
-            }
+            Ok(all) => (one_family(&all), true),
             Err(err) => {
                 tracing::warn!(name = %self.host, "does not resolve, keeping the known replicas that answer: {err}");
                 (self.known.lock().keys().cloned().collect(), false)
@@ -262,6 +250,71 @@ impl Discovery for DnsReplicas {
             *self.known.lock() = answers;
             Ok(specs)
         })
+    }
+}
+
+/// `NAME:PORT` as `flag` takes it.
+fn dns_name(flag: &str, name: &str) -> anyhow::Result<(String, u16)> {
+    name.rsplit_once(':')
+        .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+        .filter(|(h, _)| !h.is_empty())
+        .map(|(h, p)| (h.to_owned(), p))
+        .with_context(|| format!("{flag} {name:?}: expected NAME:PORT"))
+}
+
+/// The IPv4 addresses of a name's answer when it has any, else its IPv6 ones (as Envoy's
+/// `V4_PREFERRED` pool does), so a dual-stack pod counts once.
+fn one_family(all: &[std::net::SocketAddr]) -> BTreeSet<String> {
+    let v4 = all.iter().any(std::net::SocketAddr::is_ipv4);
+    all.iter()
+        .filter(|a| a.is_ipv4() == v4)
+        .map(ToString::to_string)
+        .collect()
+}
+
+/// A DNS name whose addresses are peer daemons (a Kubernetes headless Service of the
+/// gateway pods, on kvaffined's API port; `--peer-dns`), resolved on every poll. The
+/// answer holds this daemon too: it leaves itself out when it finds itself
+/// ([`PeerList::itself`](crate::peers::PeerList::itself)). When the name does not
+/// resolve, the last answer stands (peers are only ever asked to hold bookings).
+pub struct DnsPeers {
+    host: String,
+    port: u16,
+    resolver: Box<dyn Resolve>,
+    last: parking_lot::Mutex<BTreeSet<String>>,
+}
+
+impl DnsPeers {
+    /// Follows the addresses of `name` (`HOST:PORT`, the daemons' API port).
+    pub fn new(name: &str) -> anyhow::Result<Self> {
+        Self::with_resolver(name, Box::new(SystemResolver))
+    }
+
+    /// [`new`](Self::new), resolving through `resolver`.
+    pub fn with_resolver(name: &str, resolver: Box<dyn Resolve>) -> anyhow::Result<Self> {
+        let (host, port) = dns_name("--peer-dns", name)?;
+        Ok(Self {
+            host,
+            port,
+            resolver,
+            last: parking_lot::Mutex::new(BTreeSet::new()),
+        })
+    }
+
+    /// The peers' addresses now: the name's answer, or the last one if it does not
+    /// resolve.
+    pub async fn addresses(&self) -> BTreeSet<String> {
+        match self.resolver.resolve(&self.host, self.port).await {
+            Ok(all) => {
+                let chosen = one_family(&all);
+                *self.last.lock() = chosen.clone();
+                chosen
+            }
+            Err(err) => {
+                tracing::warn!(name = %self.host, "does not resolve, keeping the peers it named: {err}");
+                self.last.lock().clone()
+            }
+        }
     }
 }
 
@@ -485,6 +538,46 @@ mod tests {
         assert!(DnsReplicas::new("vllm.ns.svc:8000", sources.clone()).is_ok());
         for bad in ["vllm.ns.svc", ":8000", "vllm:http"] {
             assert!(DnsReplicas::new(bad, sources.clone()).is_err(), "{bad}");
+        }
+    }
+
+    /// A name whose answer the test sets.
+    struct Answer(parking_lot::Mutex<std::io::Result<Vec<std::net::SocketAddr>>>);
+
+    impl Resolve for Arc<Answer> {
+        fn resolve<'a>(
+            &'a self,
+            _host: &'a str,
+            _port: u16,
+        ) -> BoxFuture<'a, std::io::Result<Vec<std::net::SocketAddr>>> {
+            Box::pin(async move {
+                match &*self.0.lock() {
+                    Ok(all) => Ok(all.clone()),
+                    Err(err) => Err(std::io::Error::new(err.kind(), err.to_string())),
+                }
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn peers_named_by_dns_are_one_family_and_outlive_a_failed_resolution() {
+        let answer = Arc::new(Answer(parking_lot::Mutex::new(Ok(vec![
+            "10.0.0.1:9100".parse().unwrap(),
+            "[fd00::1]:9100".parse().unwrap(),
+            "10.0.0.2:9100".parse().unwrap(),
+        ]))));
+        let peers = DnsPeers::with_resolver("gw.ns.svc:9100", Box::new(answer.clone())).unwrap();
+        let both = BTreeSet::from(["10.0.0.1:9100".to_owned(), "10.0.0.2:9100".to_owned()]);
+        assert_eq!(peers.addresses().await, both);
+        *answer.0.lock() = Err(std::io::ErrorKind::NotFound.into());
+        assert_eq!(peers.addresses().await, both);
+        *answer.0.lock() = Ok(vec!["[fd00::2]:9100".parse().unwrap()]);
+        assert_eq!(
+            peers.addresses().await,
+            BTreeSet::from(["[fd00::2]:9100".to_owned()])
+        );
+        for bad in ["gw.ns.svc", ":9100"] {
+            assert!(DnsPeers::new(bad).is_err(), "{bad}");
         }
     }
 

@@ -97,6 +97,11 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
             crate::peers::PEER_BOOKINGS_PATH,
             post(peer_bookings).get(held_bookings),
         )
+        // Layers run last-added first: the token is checked before the instance.
+        .route_layer(axum::middleware::from_fn_with_state(
+            daemon.clone(),
+            refuse_itself,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             daemon.clone(),
             authorize,
@@ -131,6 +136,25 @@ async fn authorize(
         daemon.metrics.unauthorized.inc();
         ApiError::Unauthorized.into_response()
     }
+}
+
+/// Answers 409, naming itself, a request this daemon sent itself (it is among its own
+/// peers): nothing it sends itself is held twice.
+async fn refuse_itself(
+    State(daemon): State<Arc<Daemon>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let asker = request.headers().get(crate::peers::INSTANCE_HEADER);
+    if asker.is_some_and(|name| name.as_bytes() == daemon.instance.as_bytes()) {
+        return (
+            StatusCode::CONFLICT,
+            [(crate::peers::INSTANCE_HEADER, daemon.instance.clone())],
+            "this is the daemon that asks\n",
+        )
+            .into_response();
+    }
+    next.run(request).await
 }
 
 /// A question's body, or why it was refused: too large is 413 (a filter reads 400 to a

@@ -217,7 +217,7 @@ impl Default for Metrics {
         );
         registry.register(
             "peers",
-            "Peers bookings go to (--peer and the config file's peers), as last read",
+            "Peers bookings go to (--peer, --peer-dns and the config file's peers, less this daemon itself), as last read",
             peers.clone(),
         );
         registry.register(

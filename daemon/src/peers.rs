@@ -22,6 +22,12 @@ use crate::state::Daemon;
 /// Where a daemon takes its peers' bookings.
 pub const PEER_BOOKINGS_PATH: &str = "/v2/peer/bookings";
 
+/// The header a daemon names itself with on what it asks its peers, and on its answer
+/// when a request names itself: a daemon among its own peers (a DNS name of every gateway
+/// pod, its own included; an address it is reached at but does not listen on by that name)
+/// finds itself by it and leaves itself out.
+pub const INSTANCE_HEADER: &str = "x-kvaffined-instance";
+
 /// Bookings waiting to be sent; past it new ones are dropped and counted (a peer that
 /// cannot keep up loses affinity, never the lookups' time).
 const QUEUE: usize = 10_000;
@@ -169,10 +175,11 @@ pub fn handed_on(live: &[(Instant, Arc<PeerBooking>)], now: Instant) -> PeerBook
 /// itself. Bookings come from the first peer that holds any, once the replicas' replays
 /// are in (or [`RESTORE_AFTER_REPLAY`] has passed); speeds from each peer in turn until
 /// every replica followed has one. A peer that does not answer, or answers 405 (the
-/// release before had no `GET` here), is passed over.
+/// release before had no `GET` here), is passed over; one that is this daemon itself is
+/// left out of `peers`.
 pub async fn restore(
     daemon: Arc<Daemon>,
-    peers: Vec<String>,
+    peers: Arc<PeerList>,
     own: String,
     token: Option<String>,
     client: reqwest::Client,
@@ -180,17 +187,18 @@ pub async fn restore(
     let get = |peer: &str, path: &str| {
         let mut request = client
             .get(format!("http://{peer}{path}"))
+            .header(INSTANCE_HEADER, daemon.instance.as_str())
             .timeout(RESTORE_TIMEOUT);
         if let Some(token) = &token {
             request = request.bearer_auth(token);
         }
         request
     };
-    let peers: Vec<&String> = peers.iter().filter(|p| **p != own).collect();
     let replayed_by = Instant::now() + RESTORE_AFTER_REPLAY;
     while !daemon.ready() && Instant::now() < replayed_by {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let instance = daemon.instance.as_str();
     let followed = || -> std::collections::HashSet<String> {
         daemon
             .endpoints
@@ -200,16 +208,20 @@ pub async fn restore(
             .collect()
     };
     let mut bookings_taken = false;
-    for peer in peers {
+    for peer in peers.current().iter().filter(|p| **p != own) {
         if !bookings_taken {
-            match fetch::<PeerBookings>(get(peer, PEER_BOOKINGS_PATH)).await {
-                Ok(batch) if !batch.bookings.is_empty() => {
+            match fetch::<PeerBookings>(get(peer, PEER_BOOKINGS_PATH), instance).await {
+                Ok(None) => {
+                    peers.itself(peer);
+                    continue;
+                }
+                Ok(Some(batch)) if !batch.bookings.is_empty() => {
                     let held =
                         daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
                     info!(%peer, offered = batch.bookings.len(), held, "took the bookings a peer holds");
                     bookings_taken = true;
                 }
-                Ok(_) => {}
+                Ok(Some(_)) => {}
                 Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
             }
         }
@@ -218,8 +230,9 @@ pub async fn restore(
             followed().into_iter().any(|e| !known.contains_key(&e))
         };
         if missing {
-            match fetch::<serde_json::Value>(get(peer, "/v1/endpoints")).await {
-                Ok(endpoints) => {
+            match fetch::<serde_json::Value>(get(peer, "/v1/endpoints"), instance).await {
+                Ok(None) => peers.itself(peer),
+                Ok(Some(endpoints)) => {
                     let speeds = measured_speeds(&endpoints);
                     let mut known = daemon.peer_speeds.lock();
                     let before = known.len();
@@ -241,10 +254,16 @@ pub async fn restore(
     }
 }
 
+/// A peer's answer to `request`, or `None` when the peer is `instance`, the asker itself.
 async fn fetch<T: serde::de::DeserializeOwned>(
     request: reqwest::RequestBuilder,
-) -> reqwest::Result<T> {
-    request.send().await?.error_for_status()?.json().await
+    instance: &str,
+) -> reqwest::Result<Option<T>> {
+    let response = request.send().await?;
+    if is_itself(&response, instance) {
+        return Ok(None);
+    }
+    response.error_for_status()?.json().await.map(Some)
 }
 
 /// Each replica's speed as a peer's `/v1/endpoints` shows it measured by the peer itself
@@ -280,20 +299,24 @@ fn measured_speeds(endpoints: &serde_json::Value) -> Vec<(String, PrefillSpeed)>
     speeds
 }
 
-/// The daemons bookings go to (`HOST:PORT` of their API): the `--peer` flags and the
-/// config file's `peers`, which changes when the file does (gateway pods come and go).
+/// The daemons bookings go to (`HOST:PORT` of their API): the `--peer` flags, the
+/// config file's `peers` and the addresses of the `--peer-dns` names, which change when
+/// the file or the names' answers do (gateway pods come and go), less the addresses found
+/// to be this daemon itself.
 #[derive(Debug, Default)]
 pub struct PeerList {
     flags: Vec<String>,
     file: parking_lot::RwLock<Vec<String>>,
+    dns: parking_lot::RwLock<Vec<String>>,
+    itself: parking_lot::RwLock<std::collections::HashSet<String>>,
 }
 
 impl PeerList {
-    /// The `--peer` flags' peers, and none from a file yet.
+    /// The `--peer` flags' peers, and none from a file or DNS yet.
     pub fn new(flags: Vec<String>) -> Self {
         Self {
             flags,
-            file: parking_lot::RwLock::default(),
+            ..Self::default()
         }
     }
 
@@ -302,21 +325,57 @@ impl PeerList {
         *self.file.write() = peers;
     }
 
-    /// Whether it names no peer now.
+    /// The `--peer-dns` names now resolve to `peers`.
+    pub fn set_dns(&self, peers: Vec<String>) {
+        *self.dns.write() = peers;
+    }
+
+    /// `peer` answered as this daemon: it is left out from now on (a pod keeps its
+    /// address for its life).
+    pub fn itself(&self, peer: &str) {
+        if self.itself.write().insert(peer.to_owned()) {
+            info!(%peer, "this address is this daemon itself: not a peer");
+        }
+    }
+
+    /// Whether it names no peer now. Asked on every booked lookup, so it allocates
+    /// nothing.
     pub fn is_empty(&self) -> bool {
-        self.flags.is_empty() && self.file.read().is_empty()
+        let itself = self.itself.read();
+        let (file, dns) = (self.file.read(), self.dns.read());
+        !self
+            .flags
+            .iter()
+            .chain(file.iter())
+            .chain(dns.iter())
+            .any(|peer| !itself.contains(peer))
     }
 
     /// Every peer, each once.
     pub fn current(&self) -> Vec<String> {
-        let mut all = self.flags.clone();
-        for peer in self.file.read().iter() {
-            if !all.contains(peer) {
+        let itself = self.itself.read();
+        let mut all: Vec<String> = Vec::new();
+        for peer in self
+            .flags
+            .iter()
+            .chain(self.file.read().iter())
+            .chain(self.dns.read().iter())
+        {
+            if !itself.contains(peer) && !all.contains(peer) {
                 all.push(peer.clone());
             }
         }
         all
     }
+}
+
+/// Whether `response` is a daemon's answer that `instance` (the asker) is itself.
+fn is_itself(response: &reqwest::Response, instance: &str) -> bool {
+    response.status() == reqwest::StatusCode::CONFLICT
+        && response
+            .headers()
+            .get(INSTANCE_HEADER)
+            .is_some_and(|value| value.as_bytes() == instance.as_bytes())
 }
 
 /// A batch as [`PeerBookings`] reads it, written from the shared bookings.
@@ -380,7 +439,7 @@ async fn forward(
             batch.push(booking);
         }
         let sent = batch.len() as u64;
-        let peers = peers.current();
+        let targets = peers.current();
         let outgoing = Outgoing {
             bookings: batch.iter().map(Arc::as_ref).collect(),
         };
@@ -389,29 +448,36 @@ async fn forward(
             Err(_) => continue,
         };
         let mut sends = tokio::task::JoinSet::new();
-        for (i, peer) in peers.iter().enumerate() {
+        for (i, peer) in targets.iter().enumerate() {
             let mut request = client
                 .post(format!("http://{peer}{PEER_BOOKINGS_PATH}"))
                 .header("content-type", "application/json")
+                .header(INSTANCE_HEADER, daemon.instance.as_str())
                 .timeout(SEND_TIMEOUT)
                 .body(body.clone());
             if let Some(token) = &token {
                 request = request.bearer_auth(token);
             }
+            let instance = daemon.instance.clone();
             sends.spawn(async move {
                 let result = match request.send().await {
-                    Ok(response) => response.error_for_status().map(|_| ()),
+                    Ok(response) if is_itself(&response, &instance) => Ok(false),
+                    Ok(response) => response.error_for_status().map(|_| true),
                     Err(err) => Err(err),
                 };
                 (i, result)
             });
         }
         while let Some(Ok((i, result))) = sends.join_next().await {
+            let peer = targets.get(i).map_or("", String::as_str);
             let outcome = match result {
-                Ok(()) => "sent",
+                Ok(true) => "sent",
+                Ok(false) => {
+                    peers.itself(peer);
+                    continue;
+                }
                 Err(err) => {
                     let now = Instant::now();
-                    let peer = peers.get(i).map_or("", String::as_str);
                     let due = warned
                         .get(peer)
                         .is_none_or(|t| now.duration_since(*t) >= WARNING_EVERY);

@@ -12,7 +12,7 @@ use tracing::{info, warn};
 
 use crate::config::{EndpointSpec, ServeArgs};
 use crate::discovery::{
-    ConfigFileSource, Discovery, DnsReplicas, EventSourcesCache, KvEventSources,
+    ConfigFileSource, Discovery, DnsPeers, DnsReplicas, EventSourcesCache, KvEventSources,
 };
 use crate::metrics::EndpointLabel;
 use crate::state::{Daemon, Endpoint, EndpointStatus};
@@ -62,6 +62,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     for name in &args.discover_dns {
         sources.push(Box::new(DnsReplicas::new(name, event_sources.clone())?));
     }
+    let peer_names = args
+        .peer_dns
+        .iter()
+        .map(|name| DnsPeers::new(name))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let auth = args
         .auth_token_file
         .as_deref()
@@ -85,7 +90,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let token = auth.as_ref().and_then(crate::auth::ApiTokens::first);
     let daemon = Arc::new(Daemon::with_auth(settings, auth));
-    if !args.peers.is_empty() || args.config.is_some() {
+    if !args.peers.is_empty() || !peer_names.is_empty() || args.config.is_some() {
         let peering =
             crate::peers::spawn(daemon.clone(), peers.clone(), token.clone(), client.clone());
         let _ = daemon.peers.set(peering);
@@ -96,6 +101,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         client,
         flag_endpoints: args.endpoints.clone(),
         sources,
+        peer_names,
         last_good: Mutex::new(HashMap::new()),
     };
     fleet.refresh(true).await?;
@@ -110,7 +116,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         // The replicas are known now: take what the peers hold.
         tokio::spawn(crate::peers::restore(
             daemon.clone(),
-            fleet.peers.current(),
+            fleet.peers.clone(),
             local.to_string(),
             token,
             fleet.client.clone(),
@@ -124,7 +130,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             speeds.refresh_stale_speeds(std::time::Instant::now());
         }
     });
-    if !fleet.sources.is_empty() {
+    if !fleet.sources.is_empty() || !fleet.peer_names.is_empty() {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(DISCOVERY_POLL).await;
@@ -152,6 +158,8 @@ struct Fleet {
     client: reqwest::Client,
     flag_endpoints: Vec<EndpointSpec>,
     sources: Vec<Box<dyn Discovery>>,
+    /// The `--peer-dns` names, resolved on every poll.
+    peer_names: Vec<DnsPeers>,
     /// Each source's last successful answer, by source name.
     last_good: Mutex<HashMap<String, Vec<EndpointSpec>>>,
 }
@@ -173,6 +181,13 @@ impl Fleet {
         }
         let discovered: Vec<EndpointSpec> =
             self.last_good.lock().values().flatten().cloned().collect();
+        if !self.peer_names.is_empty() {
+            let mut named = std::collections::BTreeSet::new();
+            for name in &self.peer_names {
+                named.extend(name.addresses().await);
+            }
+            self.peers.set_dns(named.into_iter().collect());
+        }
         self.daemon
             .metrics
             .peers

@@ -62,6 +62,23 @@ pub struct Daemon {
     pub ledger: Mutex<crate::peers::Ledger>,
     /// Outcomes the filters reported: predictions against what replicas served.
     pub outcomes: Mutex<crate::outcomes::OutcomeLog>,
+    /// This run's random name, sent to peers ([`crate::peers::INSTANCE_HEADER`]) so that a
+    /// daemon listed among its own peers finds itself.
+    pub instance: String,
+}
+
+/// A random name for one run of a daemon: the OS-seeded keys of std's hasher over the
+/// process and the clock.
+fn new_instance() -> String {
+    let run = (
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    let hash =
+        std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), run);
+    format!("{hash:016x}")
 }
 
 /// One followed replica.
@@ -370,6 +387,7 @@ impl Daemon {
             peers: std::sync::OnceLock::new(),
             ledger: Mutex::default(),
             peer_speeds: Mutex::default(),
+            instance: new_instance(),
         }
     }
 

@@ -1349,6 +1349,94 @@ fn a_daemon_that_starts_takes_the_bookings_its_peers_hold() {
     );
 }
 
+#[test]
+fn peers_named_by_dns_share_bookings_and_a_daemon_among_its_peers_leaves_itself_out() {
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    let dir = std::env::temp_dir().join(format!("kvaffined-peer-dns-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("starting.json");
+    std::fs::write(&config, r#"{"peers": []}"#).unwrap();
+    let with = |more: &[&str]| -> Vec<String> {
+        [
+            "--endpoint",
+            &endpoint_flag(A, &pa),
+            "--endpoint",
+            &endpoint_flag(B, &pb),
+        ]
+        .into_iter()
+        .chain(more.iter().copied())
+        .map(str::to_owned)
+        .collect()
+    };
+    let start = |args: Vec<String>| {
+        DaemonProcess::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let port = |daemon: &DaemonProcess| daemon.addr.rsplit_once(':').unwrap().1.to_owned();
+    let received = |daemon: &DaemonProcess| {
+        daemon.metric("kvaffined_peer_bookings_total{outcome=\"received\"} ")
+    };
+    let book = |daemon: &DaemonProcess, keys: &[u64]| -> String {
+        let body = json!({"keys": keys, "book": {"ttl_ms": 60_000}}).to_string();
+        let (status, answer) = daemon.json("POST", "/v1/lookup", &body);
+        assert_eq!(status, 200, "{answer}");
+        answer["booked"].as_str().unwrap().to_owned()
+    };
+    // The running daemon's only peer never answers: it still keeps its bookings.
+    let running = start(with(&["--peer", "127.0.0.1:9"]));
+    running.wait_ready();
+    let before = keys(&prompt(130, 5));
+    let booked_before = book(&running, &before);
+    // A daemon that starts names it by a DNS name (the system's resolver answers
+    // 127.0.0.1, not the address it printed as such): it takes what the running one holds.
+    let starting = start(with(&[
+        "--peer-dns",
+        &format!("localhost:{}", port(&running)),
+        "--config",
+        config.to_str().unwrap(),
+    ]));
+    starting.wait_ready();
+    wait_for("the restored booking", || {
+        starting.metric("kvaffined_peer_bookings_total{outcome=\"restored\"} ") == 1.0
+    });
+    let seen = starting.lookup(&before);
+    assert_eq!(seen["ranked"][0], booked_before.as_str(), "{seen}");
+    assert_eq!(
+        DaemonProcess::record(&seen, &booked_before)["matched_blocks"],
+        5
+    );
+    assert_eq!(starting.metric("kvaffined_peers "), 1.0);
+    // Its bookings reach the running daemon through the name.
+    let first = keys(&prompt(131, 6));
+    let booked = book(&starting, &first);
+    wait_for("the booking at the named peer", || {
+        received(&running) == 1.0
+    });
+    let entry = DaemonProcess::record(&running.lookup(&first), &booked);
+    assert_eq!(entry["matched_blocks"], 6, "{entry}");
+    assert_eq!(entry["indexed_blocks"], 0, "{entry}");
+    // Now its peers name it too (as a DNS name of every gateway pod would), by a name it
+    // does not listen on: it finds itself on its first booking and leaves itself out.
+    let itself = format!("localhost:{}", port(&starting));
+    std::fs::write(&config, json!({"peers": [itself]}).to_string()).unwrap();
+    wait_for("itself among its peers", || {
+        starting.metric("kvaffined_peers ") == 2.0
+    });
+    book(&starting, &keys(&prompt(132, 4)));
+    wait_for("the second booking at the peer", || {
+        received(&running) == 2.0
+    });
+    wait_for("itself left out", || {
+        starting.metric("kvaffined_peers ") == 1.0
+    });
+    assert_eq!(received(&starting), 0.0, "it held its own booking twice");
+    assert_eq!(
+        starting.metric("kvaffined_peer_bookings_total{outcome=\"sent\"} "),
+        2.0
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A replica's HTTP server that only notes when `/metrics` is asked (milliseconds of the
 /// wall clock) and answers every request with an empty 200.
 fn scrape_recorder() -> (String, std::sync::Arc<std::sync::Mutex<Vec<f64>>>) {

@@ -403,14 +403,21 @@ def check_overlay(label, objects, context):
             elif not svc or int(listen.rsplit(":", 1)[1]) not in {p["port"] for p in svc["spec"]["ports"]}:
                 fail(where, "the kvaffined Service does not expose the daemon's port")
         else:
-            if listen and not listen.startswith("127.0.0.1:"):
-                fail(where, "a sidecar kvaffined must stay on loopback")
+            peered = flag_values(dargs, "--peer-dns")
+            if peered:
+                if not flag_value(dargs, "--auth-token-file"):
+                    fail(where, "a peered sidecar kvaffined is reachable in the cluster: it needs "
+                         "--auth-token-file")
+                check_peers(where, objects, obj, daemon, listen, peered)
+            elif listen and not listen.startswith("127.0.0.1:"):
+                fail(where, "a sidecar kvaffined must stay on loopback unless it is peered (--peer-dns)")
             aliases = {h for a in pod_spec(obj).get("hostAliases", []) if a.get("ip") == "127.0.0.1"
                        for h in a.get("hostnames", [])}
             if "kvaffined" not in aliases:
                 fail(where, "the sidecar pod must alias kvaffined to 127.0.0.1 for the bootstrap's cluster")
         dns_targets = check_discovery(where, objects, obj, daemon, dargs, context)
-        sources += [f for f in ("--discover-dns", "--config", "--discover", "--endpoint") if flag_values(dargs, f)]
+        sources += [f for f in ("--discover-dns", "--config", "--discover", "--endpoint", "--peer-dns")
+                    if flag_values(dargs, f)]
         token_file = flag_value(dargs, "--auth-token-file")
         if token_file:
             volume, _ = volume_for_path(obj, daemon, token_file)
@@ -424,6 +431,44 @@ def check_overlay(label, objects, context):
         check_gateway(where, objects, gateway, context, dns_targets, auth_secret)
     ok(f"overlay {label}: vLLM, kvaffined ({' '.join(sources)}){', gateway' if gateway else ''} consistent",
        start)
+
+
+def check_peers(where, objects, obj, daemon, listen, names):
+    """Each --peer-dns name is a headless Service of this very workload's pods, on the port
+    the daemon listens on (on the pod's address), listing pods before they are ready."""
+    if not listen or not listen.startswith("0.0.0.0:"):
+        fail(where, "a peered kvaffined must listen on 0.0.0.0 (its peers reach it at its pod's address)")
+        return
+    port = int(listen.rsplit(":", 1)[1])
+    labels = pod_spec_labels(obj)
+    for value in names:
+        name, _, named_port = value.rpartition(":")
+        parts = name.rstrip(".").split(".")
+        namespace = parts[1] if len(parts) > 1 else obj["metadata"].get("namespace")
+        svc = objects.get(("Service", parts[0]))
+        if not svc or svc["metadata"].get("namespace") != namespace:
+            fail(where, f"--peer-dns {name}: no Service {parts[0]} in namespace {namespace} in the overlay")
+            continue
+        spec = svc["spec"]
+        if spec.get("clusterIP") != "None":
+            fail(where, f"--peer-dns {name}: Service {parts[0]} is not headless (its name would be one "
+                 "virtual IP: one peer at random, not every daemon)")
+        selector = spec.get("selector") or {}
+        if not selector or any(labels.get(k) != v for k, v in selector.items()):
+            fail(where, f"--peer-dns {name}: Service {parts[0]} does not select the daemon's pods")
+        if not named_port.isdigit() or int(named_port) not in {p["port"] for p in spec["ports"]}:
+            fail(where, f"--peer-dns {value}: Service {parts[0]} has no port {named_port}")
+        targets = {p.get("targetPort", p["port"]) for p in spec["ports"] if str(p["port"]) == named_port}
+        named = {p["name"]: p["containerPort"] for p in daemon.get("ports", []) if "name" in p}
+        if {named.get(t, t) for t in targets} != {port}:
+            fail(where, f"--peer-dns {value}: Service {parts[0]} does not reach the daemon's port {port}")
+        if not spec.get("publishNotReadyAddresses"):
+            fail(where, f"--peer-dns {name}: Service {parts[0]} must publish not-ready addresses "
+                 "(a starting gateway pod takes bookings before its Envoy is ready)")
+
+
+def pod_spec_labels(obj):
+    return obj["spec"]["template"].get("metadata", {}).get("labels", {})
 
 
 def check_discovery(where, objects, obj, daemon, dargs, context):

@@ -214,6 +214,7 @@ async fn lookup(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
+    daemon.restored().await;
     let request = read_lookup(&daemon, body, |request: LookupRequest| request)?;
     Ok(answer(&daemon, started, &request, |ranking, booked| {
         ranking.answer(request.candidates, booked)
@@ -245,6 +246,7 @@ async fn salt_probe(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
+    daemon.restored().await;
     let body = question_body(&daemon, body)?;
     let probe: SaltProbe =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
@@ -269,6 +271,7 @@ async fn lookup_v1(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
+    daemon.restored().await;
     let request = read_lookup(&daemon, body, v1::Request::into_current)?;
     Ok(answer(&daemon, started, &request, |ranking, booked| {
         ranking.into_v1(booked)

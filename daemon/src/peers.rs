@@ -43,9 +43,10 @@ const LEDGER_BOOKINGS: usize = 4_096;
 /// Most keys those bookings hold in all (about 8 MiB of keys, 20 MB of JSON for the peer).
 const LEDGER_KEYS: usize = 1 << 20;
 
-/// How long a starting daemon waits for its replicas' replays before it holds its peers'
-/// bookings (so that those their events already confirmed are skipped).
-const RESTORE_AFTER_REPLAY: Duration = Duration::from_secs(10);
+/// Longest lookups wait for a starting daemon to take its peers' bookings: a lookup
+/// answered before then would miss them (a filter whose own timeout is shorter routes the
+/// request unpinned meanwhile).
+pub const RESTORE_GATE: Duration = Duration::from_secs(1);
 
 /// How long a starting daemon waits for a peer's bookings.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -172,11 +173,11 @@ pub fn handed_on(live: &[(Instant, Arc<PeerBooking>)], now: Instant) -> PeerBook
 /// `own`, this daemon's address): a daemon that starts beside running peers then knows the
 /// picks made before it started (its own included, if it restarted: the peers hold those)
 /// and ranks each replica at the speed a peer measured until it has measured the replica
-/// itself. Bookings come from the first peer that holds any, once the replicas' replays
-/// are in (or [`RESTORE_AFTER_REPLAY`] has passed); speeds from each peer in turn until
-/// every replica followed has one. A peer that does not answer, or answers 405 (the
-/// release before had no `GET` here), is passed over; one that is this daemon itself is
-/// left out of `peers`.
+/// itself. Bookings come from the first peer that holds any, at once (those the replicas'
+/// replays then confirm are confirmed as any booking is), while lookups wait (at most
+/// [`RESTORE_GATE`]); speeds from each peer in turn until every replica followed has one.
+/// A peer that does not answer, or answers 405 (the release before had no `GET` here), is
+/// passed over; one that is this daemon itself is left out of `peers`.
 pub async fn restore(
     daemon: Arc<Daemon>,
     peers: Arc<PeerList>,
@@ -194,62 +195,51 @@ pub async fn restore(
         }
         request
     };
-    let replayed_by = Instant::now() + RESTORE_AFTER_REPLAY;
-    while !daemon.ready() && Instant::now() < replayed_by {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let instance = daemon.instance.as_str();
-    let followed = || -> std::collections::HashSet<String> {
+    let candidates: Vec<String> = peers.current().into_iter().filter(|p| *p != own).collect();
+    for peer in &candidates {
+        match fetch::<PeerBookings>(get(peer, PEER_BOOKINGS_PATH), instance).await {
+            Ok(None) => peers.itself(peer),
+            Ok(Some(batch)) if !batch.bookings.is_empty() => {
+                let held = daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
+                info!(%peer, offered = batch.bookings.len(), held, "took the bookings a peer holds");
+                break;
+            }
+            Ok(Some(_)) => {}
+            Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
+        }
+    }
+    daemon.restoring.send_replace(false);
+    let missing = || {
+        let known = daemon.peer_speeds.lock();
         daemon
             .endpoints
             .read()
             .iter()
-            .map(|e| e.spec.endpoint.clone())
-            .collect()
+            .any(|e| !known.contains_key(&e.spec.endpoint))
     };
-    let mut bookings_taken = false;
-    for peer in peers.current().iter().filter(|p| **p != own) {
-        if !bookings_taken {
-            match fetch::<PeerBookings>(get(peer, PEER_BOOKINGS_PATH), instance).await {
-                Ok(None) => {
-                    peers.itself(peer);
-                    continue;
-                }
-                Ok(Some(batch)) if !batch.bookings.is_empty() => {
-                    let held =
-                        daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
-                    info!(%peer, offered = batch.bookings.len(), held, "took the bookings a peer holds");
-                    bookings_taken = true;
-                }
-                Ok(Some(_)) => {}
-                Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
-            }
-        }
-        let missing = {
-            let known = daemon.peer_speeds.lock();
-            followed().into_iter().any(|e| !known.contains_key(&e))
-        };
-        if missing {
-            match fetch::<serde_json::Value>(get(peer, "/v1/endpoints"), instance).await {
-                Ok(None) => peers.itself(peer),
-                Ok(Some(endpoints)) => {
-                    let speeds = measured_speeds(&endpoints);
-                    let mut known = daemon.peer_speeds.lock();
-                    let before = known.len();
-                    for (endpoint, speed) in speeds {
-                        known.entry(endpoint).or_insert(speed);
-                    }
-                    let taken = known.len() - before;
-                    drop(known);
-                    if taken > 0 {
-                        info!(%peer, replicas = taken, "took the prefill speeds a peer measured");
-                        daemon.refresh_speeds(Instant::now());
-                    }
-                }
-                Err(err) => warn!(%peer, "no prefill speeds from this peer at start: {err}"),
-            }
-        } else if bookings_taken {
+    let candidates: Vec<String> = peers.current().into_iter().filter(|p| *p != own).collect();
+    for peer in &candidates {
+        if !missing() {
             return;
+        }
+        match fetch::<serde_json::Value>(get(peer, "/v1/endpoints"), instance).await {
+            Ok(None) => peers.itself(peer),
+            Ok(Some(endpoints)) => {
+                let speeds = measured_speeds(&endpoints);
+                let mut known = daemon.peer_speeds.lock();
+                let before = known.len();
+                for (endpoint, speed) in speeds {
+                    known.entry(endpoint).or_insert(speed);
+                }
+                let taken = known.len() - before;
+                drop(known);
+                if taken > 0 {
+                    info!(%peer, replicas = taken, "took the prefill speeds a peer measured");
+                    daemon.refresh_speeds(Instant::now());
+                }
+            }
+            Err(err) => warn!(%peer, "no prefill speeds from this peer at start: {err}"),
         }
     }
 }

@@ -65,6 +65,9 @@ pub struct Daemon {
     /// This run's random name, sent to peers ([`crate::peers::INSTANCE_HEADER`]) so that a
     /// daemon listed among its own peers finds itself.
     pub instance: String,
+    /// Set while a starting daemon takes its peers' bookings: lookups wait
+    /// ([`restored`](Self::restored)).
+    pub restoring: tokio::sync::watch::Sender<bool>,
 }
 
 /// A random name for one run of a daemon: the OS-seeded keys of std's hasher over the
@@ -388,6 +391,7 @@ impl Daemon {
             ledger: Mutex::default(),
             peer_speeds: Mutex::default(),
             instance: new_instance(),
+            restoring: tokio::sync::watch::channel(false).0,
         }
     }
 
@@ -403,6 +407,17 @@ impl Daemon {
     pub fn free_slot(&self) -> Option<Slot> {
         let used: SlotSet = self.endpoints.read().iter().map(|e| e.slot).collect();
         used.first_absent()
+    }
+
+    /// Returns once this daemon is not taking its peers' bookings (at start, at most
+    /// [`crate::peers::RESTORE_GATE`]): a lookup answered before would miss them.
+    pub async fn restored(&self) {
+        if !*self.restoring.borrow() {
+            return;
+        }
+        let mut restoring = self.restoring.subscribe();
+        // The sender lives as long as the daemon: the wait ends only when it is cleared.
+        let _ = restoring.wait_for(|busy| !*busy).await;
     }
 
     /// Whether bookings go to any peer now.

@@ -1320,15 +1320,16 @@ fn a_daemon_that_starts_takes_the_bookings_its_peers_hold() {
     let ttl = held[0]["ttl_ms"].as_u64().unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
     // A daemon that starts beside it takes the booking before any event, passing over a
-    // peer that does not answer.
+    // peer that does not answer; its first lookup, sent as soon as it listens, waits for
+    // that.
     let starting_args = args(&["127.0.0.1:9", &running.addr]);
     let starting =
         DaemonProcess::start(&starting_args.iter().map(String::as_str).collect::<Vec<_>>());
-    starting.wait_ready();
-    wait_for("the restored booking", || {
-        starting.metric("kvaffined_peer_bookings_total{outcome=\"restored\"} ") == 1.0
-    });
     let seen = starting.lookup(&live);
+    assert_eq!(
+        starting.metric("kvaffined_peer_bookings_total{outcome=\"restored\"} "),
+        1.0
+    );
     assert_eq!(seen["ranked"][0], booked.as_str(), "{seen}");
     assert_eq!(seen["reason"], "prefix", "{seen}");
     let entry = DaemonProcess::record(&seen, &booked);

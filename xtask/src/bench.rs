@@ -575,6 +575,19 @@ pub fn filter_profile() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A gateway's kvaffined restarted between a fresh prefix's first request and its
+/// siblings, its daemon peered or not -> `docs/benchmarks/restart.md`.
+pub fn restart() -> anyhow::Result<()> {
+    let table = stack_bench(&["restart"])?;
+    let md = include_str!("bench_restart.md")
+        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{TABLE}}", &table);
+    write(&sh::root().join("docs/benchmarks/restart.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 /// The filter's cost with `report_outcomes` on and off, side by side in one run ->
 /// `docs/benchmarks/outcomes.md`.
 pub fn outcomes() -> anyhow::Result<()> {

@@ -41,6 +41,9 @@ commands:
   bench filter-profile
                 where precise mode's pause goes on the emulator: the filter's histograms,
                 the callouts timed directly, its work natively -> docs/benchmarks/filter-profile.md
+  bench restart
+                a gateway's kvaffined restarted between a fresh prefix's first request and
+                its siblings, peered or not -> docs/benchmarks/restart.md
   bench outcomes
                 the filter's cost with report_outcomes on and off -> docs/benchmarks/outcomes.md
   bench precise-cost
@@ -94,6 +97,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "filter", rest @ ..] => bench::filter(rest),
         ["bench", "filter-profile"] => bench::filter_profile(),
         ["bench", "outcomes"] => bench::outcomes(),
+        ["bench", "restart"] => bench::restart(),
         ["bench", "precise-cost"] => bench::precise_cost(),
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),

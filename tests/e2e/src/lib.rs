@@ -841,6 +841,13 @@ impl Stack {
         Ok(())
     }
 
+    /// Whether Envoy asks the daemon now (its health check passes).
+    pub fn daemon_in_rotation(&self) -> bool {
+        let (_, text) = http(&self.admin, "GET", "/clusters", "");
+        let healthy = format!("kvaffined::{}::health_flags::healthy", self.daemon_addr);
+        text.lines().any(|l| l.trim() == healthy)
+    }
+
     /// Starts one more kvaffined following the same replicas, peered with the stack's
     /// (`--peer`), as a gateway pod that joins; stopped with the stack. Its address.
     pub fn start_peer_daemon(&mut self) -> anyhow::Result<String> {

@@ -590,7 +590,7 @@ pub fn run_through<T>(
     let runtime = crate::load::runtime()?;
     let before = queried_tokens(&ctx.replicas);
     let start = Instant::now();
-    let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack))?;
+    let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack, &mut others))?;
     let wall = start.elapsed();
     // A counter that went backwards belongs to a restarted replica: all of it is new.
     let replica_tokens = queried_tokens(&ctx.replicas)
@@ -617,7 +617,12 @@ pub fn run_through<T>(
     })
 }
 
-async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Vec<TurnResult>> {
+async fn workload(
+    name: &str,
+    ctx: &Ctx,
+    stack: &mut Stack,
+    others: &mut [Stack],
+) -> anyhow::Result<Vec<TurnResult>> {
     Ok(match name {
         "template-divergence" => {
             // One team (one salt) working on the same 2k-token document in sessions whose
@@ -716,6 +721,47 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
             }
             results
         }
+        "daemon-restart" | "daemon-kept" => {
+            // Each burst's first request goes through the first gateway; then the second
+            // gateway's kvaffined is killed and started again (or not, in daemon-kept), and
+            // the siblings go through the second gateway once its Envoy asks the daemon
+            // again, all before the first request's events: where they go is what the
+            // restarted daemon knows of the first.
+            let (Some(first_url), Some(second_url)) = (ctx.urls.first(), ctx.urls.get(1)) else {
+                anyhow::bail!("{name} needs two gateways");
+            };
+            let through = |url: &String| Ctx {
+                urls: vec![url.clone()],
+                ..ctx.clone()
+            };
+            let (first, second) = (through(first_url), through(second_url));
+            let mut results = Vec::new();
+            for burst in 0..6u64 {
+                let prefix = text(1500, 700 + burst);
+                let body = |sibling: u64| {
+                    json!({"cache_salt": format!("restart{burst}"), "max_tokens": 8,
+                           "messages": [{"role": "system", "content": SYSTEM},
+                                        {"role": "user", "content": format!("{prefix}\nsibling {sibling}")}]})
+                };
+                results.push(turn(&first, &body(0)).await);
+                if name == "daemon-restart" {
+                    let restarted = others.first_mut().context("no second gateway")?;
+                    restarted.restart_daemon()?;
+                    let by = Instant::now() + Duration::from_secs(10);
+                    while !restarted.daemon_in_rotation() {
+                        anyhow::ensure!(
+                            Instant::now() < by,
+                            "the restarted kvaffined never came back"
+                        );
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                for sibling in 1..4 {
+                    results.push(turn(&second, &body(sibling)).await);
+                }
+            }
+            results
+        }
         "replica-restart" => {
             let run = tokio::spawn(faulted_sessions(ctx, 500, 11));
             tokio::time::sleep(FAULT_AT).await;
@@ -748,6 +794,34 @@ async fn workload(name: &str, ctx: &Ctx, stack: &mut Stack) -> anyhow::Result<Ve
         }
         other => anyhow::bail!("unknown scenario {other}"),
     })
+}
+
+/// The KV events' delay in [`daemon_restart`]: longer than a daemon takes to restart and
+/// its gateway to ask it again (Envoy health-checks it every 0.5 s).
+const RESTART_EVENT_LAG_MS: u64 = 3000;
+
+/// Bursts of four siblings sharing a fresh prefix through two gateways, the second's
+/// kvaffined restarted after each first request (`restarted`), or not: not among [`all`],
+/// it needs two gateways (`bench restart`).
+pub fn daemon_restart(restarted: bool) -> Scenario {
+    Scenario {
+        name: if restarted {
+            "daemon-restart"
+        } else {
+            "daemon-kept"
+        },
+        about: "a gateway's kvaffined restarted between a fresh prefix's first request and its siblings, KV events delayed",
+        replicas: 2,
+        replica_args: vec!["--event-lag-ms".into(), RESTART_EVENT_LAG_MS.to_string()],
+        per_replica_args: Vec::new(),
+        kv_tokens: None,
+        // A booking outlives the lag: it holds the first request's prefix until its events
+        // arrive.
+        daemon_args: vec![
+            "--booking-ttl-ms".into(),
+            (2 * RESTART_EVENT_LAG_MS).to_string(),
+        ],
+    }
 }
 
 /// The scenarios, the eight production ones and a mixed fleet.

@@ -323,3 +323,40 @@ fn tokenizer_callouts_avoid_a_frozen_replica() {
     send_signal(pid, "-CONT");
     checked.unwrap();
 }
+
+/// Two gateways, their daemons peered; the second's kvaffined killed and started again
+/// between each fresh prefix's first request (through the first gateway) and its three
+/// siblings (through the second), all before the replicas' events (3 s late). The
+/// restarted daemon takes the first daemon's bookings before it answers a lookup, so every
+/// sibling is served from cache where its first request went, as the emulator reports.
+#[test]
+fn a_peered_daemon_that_restarts_keeps_siblings_with_their_first_request() {
+    use kvaffine_e2e::scenarios::{self, Engine, GatewayDaemons, PROFILES, Topology};
+    let precise = PROFILES.into_iter().find(|p| p.name == "precise").unwrap();
+    let run = scenarios::run(
+        &mut Engine::emu(),
+        &scenarios::daemon_restart(true),
+        precise,
+        "",
+        Topology::Gateways {
+            count: 2,
+            daemons: GatewayDaemons::Peered,
+        },
+    )
+    .unwrap();
+    assert_eq!(run.turns.len(), 24);
+    for burst in run.turns.chunks(4) {
+        let (first, siblings) = burst.split_first().unwrap();
+        assert!(first.ok);
+        for sibling in siblings {
+            assert!(sibling.ok);
+            assert_eq!(sibling.replica, first.replica, "{:?}", sibling.reason);
+            assert!(
+                sibling.cached_tokens * 10 >= sibling.prompt_tokens * 9,
+                "{} of {} cached",
+                sibling.cached_tokens,
+                sibling.prompt_tokens
+            );
+        }
+    }
+}

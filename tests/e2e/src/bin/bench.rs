@@ -41,6 +41,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
         ),
         Some("load") => load(),
         Some("gateways") => gateways(),
+        Some("restart") => restart(),
         Some("streams") => {
             let streams = args
                 .get(1)
@@ -799,6 +800,82 @@ fn gateways() -> anyhow::Result<()> {
                 median.ttft_p99_ms
             )?;
         }
+    }
+    print!("{md}");
+    Ok(())
+}
+
+/// `bench restart`: two gateways, each with its own kvaffined; a fresh prefix's first
+/// request through the first, its three siblings through the second, before the first's
+/// events. The second gateway's daemon kept, or killed and started again in between, its
+/// daemon peered with the first's or not.
+fn restart() -> anyhow::Result<()> {
+    use kvaffine_e2e::scenarios::{self, Engine, GatewayDaemons, PROFILES, Topology};
+    const RUNS: usize = 10;
+    let precise = PROFILES
+        .into_iter()
+        .find(|p| p.name == "precise")
+        .context("no precise profile")?;
+    let mut md = String::from(
+        "\n| second gateway's kvaffined | daemons | siblings served where their first went, all 10 runs | each run (of 18) | siblings' hit rate, median (range) | oracle | siblings' TTFT p50 |\n|---|---|---|---|---|---|---|\n",
+    );
+    for (restarted, daemons) in [
+        (false, GatewayDaemons::Own),
+        (false, GatewayDaemons::Peered),
+        (true, GatewayDaemons::Own),
+        (true, GatewayDaemons::Peered),
+    ] {
+        let scenario = scenarios::daemon_restart(restarted);
+        eprintln!("{} with daemons {daemons:?} ...", scenario.name);
+        let mut runs = Vec::new();
+        for _ in 0..RUNS {
+            let run = scenarios::run(
+                &mut Engine::emu(),
+                &scenario,
+                precise,
+                "",
+                Topology::Gateways { count: 2, daemons },
+            )?;
+            let (mut together, mut siblings) = (0usize, 0usize);
+            let (mut cached, mut prompt, mut oracle) = (0u64, 0u64, 0u64);
+            let mut ttfts = Vec::new();
+            for burst in run.turns.chunks(4) {
+                let Some((first, rest)) = burst.split_first() else {
+                    continue;
+                };
+                for sibling in rest {
+                    siblings += 1;
+                    together += usize::from(sibling.ok && sibling.replica == first.replica);
+                    cached += sibling.cached_tokens;
+                    prompt += sibling.prompt_tokens;
+                    oracle += sibling.oracle_tokens.min(sibling.prompt_tokens);
+                    ttfts.push(sibling.ttft.as_secs_f64() * 1e3);
+                }
+            }
+            let pct = |n: u64| 100.0 * n as f64 / prompt.max(1) as f64;
+            runs.push((together, siblings, pct(cached), pct(oracle), median(ttfts)));
+        }
+        let each: Vec<String> = runs.iter().map(|r| r.0.to_string()).collect();
+        let (together, siblings) = runs.iter().fold((0, 0), |(t, s), r| (t + r.0, s + r.1));
+        runs.sort_by(|a, b| a.2.total_cmp(&b.2));
+        let (low, high) = (
+            runs.first().map_or(0.0, |r| r.2),
+            runs.last().map_or(0.0, |r| r.2),
+        );
+        let median_run = runs.get(RUNS / 2).context("no run")?;
+        writeln!(
+            md,
+            "| {} | {} | {together} of {siblings} | {} | {:.1}% ({low:.1}-{high:.1}) | {:.1}% | {:.0} ms |",
+            if restarted { "restarted" } else { "kept" },
+            match daemons {
+                GatewayDaemons::Peered => "peered",
+                _ => "not peered",
+            },
+            each.join(", "),
+            median_run.2,
+            median_run.3,
+            median_run.4,
+        )?;
     }
     print!("{md}");
     Ok(())

@@ -49,6 +49,6 @@ pub use keys::{
     BlockKey, DEFAULT_NONE_HASH_SEED, Digest, DigestCache, HashAlgo, KeyChain, KeyConfig,
     KeyConfigError, KeyExtras, LoraAdapter, MAX_DIGEST_LEN, VllmCompat,
 };
-pub use pick::{Candidate, Load, PickPolicy, PrefillSpeed};
+pub use pick::{Candidate, Demand, Load, PickPolicy, PrefillSpeed};
 pub use reason::Reason;
 pub use salt::{CacheSalt, CacheSaltError, MAX_CACHE_SALT_CHARS, salt_tag};

@@ -70,6 +70,23 @@ pub struct Candidate {
     pub speed: PrefillSpeed,
 }
 
+/// Whether a request's cached prefix is one that many requests want at once (a hot system
+/// prompt): then a replica holding it that has a queue is worth relieving. Sending a
+/// request to an idle replica that holds nothing costs one cold prefill, once, after which
+/// that replica serves the prefix warm too; queueing it behind a warm replica delays it and
+/// every request after it there. So for such a prefix a candidate's queue counts twice: the
+/// wait it costs this request, and the wait this request adds to the next ones. A prefix
+/// one conversation wants (its own history) is not worth the cold prefill: its queue counts
+/// once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Demand {
+    /// One conversation's prefix (or nothing known of others wanting it).
+    #[default]
+    Own,
+    /// A prefix other requests want at the same time.
+    Shared,
+}
+
 /// The knobs of the ranking.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PickPolicy {
@@ -135,9 +152,14 @@ impl PickPolicy {
     /// the bookings, and counting them as full requests made affinity leave warm replicas
     /// too early (the scenario benchmark's hot-system-prompt and template-divergence runs
     /// lost hit rate and TTFT with it); they saturate a replica and break ties instead.
-    fn cost(&self, request_blocks: usize, c: &Candidate) -> f64 {
+    /// A prefix in [`Demand::Shared`] counts the pending prefill twice.
+    fn cost(&self, request_blocks: usize, c: &Candidate, demand: Demand) -> f64 {
+        let queues = match demand {
+            Demand::Own => 1.0,
+            Demand::Shared => 2.0,
+        };
         c.speed.seconds(
-            c.load.pending_prefill_tokens as f64
+            queues * c.load.pending_prefill_tokens as f64
                 + self.prefill_work(request_blocks, c.matched_blocks)
                 + c.speed.overhead_tokens,
         )
@@ -169,16 +191,24 @@ impl PickPolicy {
         candidates: &[Candidate],
         rotation: usize,
     ) -> (Vec<usize>, Reason) {
-        self.rank_top(request_blocks, candidates, rotation, usize::MAX)
+        self.rank_top(
+            request_blocks,
+            candidates,
+            rotation,
+            Demand::Own,
+            usize::MAX,
+        )
     }
 
     /// [`rank`](Self::rank)'s first `top` candidates in its order, then the others in
-    /// none: all an answer of `top` candidates reads, at a cost linear in the fleet.
+    /// none: all an answer of `top` candidates reads, at a cost linear in the fleet. Queues
+    /// are weighed as `demand` says.
     pub fn rank_top(
         &self,
         request_blocks: usize,
         candidates: &[Candidate],
         rotation: usize,
+        demand: Demand,
         top: usize,
     ) -> (Vec<usize>, Reason) {
         // Each candidate's key is made once, not at every comparison, and only the top
@@ -186,7 +216,12 @@ impl PickPolicy {
         // `cargo xtask bench scale`. Keys differ in `turn`, so no two tie and an
         // unstable sort or selection orders them as a stable sort would.
         let mut keyed: Vec<(RankKey, usize)> = (0..candidates.len())
-            .filter_map(|i| Some((self.key(request_blocks, candidates, rotation, i)?, i)))
+            .filter_map(|i| {
+                Some((
+                    self.key(request_blocks, candidates, rotation, demand, i)?,
+                    i,
+                ))
+            })
             .collect();
         let top = top.max(1);
         if top < keyed.len() {
@@ -225,7 +260,7 @@ impl PickPolicy {
     pub fn least_busy(&self, candidates: &[Candidate], rotation: usize) -> Option<usize> {
         (0..candidates.len())
             .filter(|&i| candidates.get(i).is_some_and(|c| c.usable && !c.gone))
-            .min_by_key(|&i| self.key(0, candidates, rotation, i))
+            .min_by_key(|&i| self.key(0, candidates, rotation, Demand::Own, i))
     }
 
     /// Candidate `i`'s place in [`rank`](Self::rank)'s order, as a key compared field by
@@ -235,6 +270,7 @@ impl PickPolicy {
         request_blocks: usize,
         candidates: &[Candidate],
         rotation: usize,
+        demand: Demand,
         i: usize,
     ) -> Option<RankKey> {
         let c = candidates.get(i)?;
@@ -243,7 +279,7 @@ impl PickPolicy {
             gone: c.gone,
             unusable: !c.usable,
             saturated: self.saturated(c),
-            cost: Seconds(self.cost(request_blocks, c)),
+            cost: Seconds(self.cost(request_blocks, c, demand)),
             waiting: c.load.waiting,
             running: c.load.running,
             kv_cache_usage: Seconds(c.load.kv_cache_usage),
@@ -325,7 +361,7 @@ mod tests {
                 .collect();
             let (full, reason) = policy.rank(5, &candidates, round);
             let top = (next() % 5) as usize;
-            let (head, head_reason) = policy.rank_top(5, &candidates, round, top);
+            let (head, head_reason) = policy.rank_top(5, &candidates, round, Demand::Own, top);
             let shown = top.max(1).min(full.len());
             assert_eq!(head[..shown], full[..shown]);
             assert_eq!(head_reason, reason);
@@ -357,6 +393,25 @@ mod tests {
         };
         let (order, reason) = policy.rank(10, &[c(1, 3), c(1, 1), c(0, 2)], 0);
         assert_eq!((order, reason), (vec![1, 2, 0], Reason::Load));
+    }
+
+    #[test]
+    fn a_prefix_in_demand_leaves_a_queue_for_an_idle_replica_sooner() {
+        let policy = PickPolicy::default();
+        // 100 blocks held by a replica with 900 tokens queued: 20 cached blocks' work
+        // (160) + 900 + 200 fixed, against 1,600 cold + 200 on an idle replica.
+        let mut warm = c(100, 0);
+        warm.load.pending_prefill_tokens = 900;
+        let idle = c(0, 0);
+        let rank = |demand| policy.rank_top(100, &[warm, idle], 0, demand, 2);
+        assert_eq!(rank(Demand::Own), (vec![0, 1], Reason::Prefix));
+        assert_eq!(rank(Demand::Shared), (vec![1, 0], Reason::Saturated));
+        // Without a queue, the warm replica wins either way.
+        warm.load.pending_prefill_tokens = 0;
+        assert_eq!(
+            policy.rank_top(100, &[warm, idle], 0, Demand::Shared, 2).0,
+            vec![0, 1]
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod bookings;
 pub mod check_cmd;
 pub mod config;
 pub mod console;
+pub mod demand;
 pub mod discovery;
 pub mod history;
 pub mod http;

@@ -97,6 +97,8 @@ pub struct Metrics {
     pub incomplete: Family<EndpointLabel, Gauge>,
     /// API requests refused for a missing or wrong bearer token.
     pub unauthorized: Counter,
+    /// Lookups ranked with their cached prefix in demand by others (queues count twice).
+    pub shared_prefix_lookups: Counter,
     /// Lookups answered, by the reason of their ranking.
     pub lookups: Family<ReasonLabel, Counter>,
     /// Lookups refused at `--max-inflight-lookups`.
@@ -151,6 +153,7 @@ impl Default for Metrics {
         let kv_cache_unsupported = Family::<EndpointLabel, Gauge>::default();
         let incomplete = Family::<EndpointLabel, Gauge>::default();
         let unauthorized = Counter::default();
+        let shared_prefix_lookups = Counter::default();
         let lookups = Family::<ReasonLabel, Counter>::default();
         let shed = Counter::default();
         let salt_probes_held = Counter::default();
@@ -316,6 +319,11 @@ impl Default for Metrics {
             "API requests refused for a missing or wrong bearer token (--auth-token-file)",
             unauthorized.clone(),
         );
+        registry.register(
+            "shared_prefix_lookups",
+            "Lookups whose longest match ended where others had within the last second: ranked with the replicas' queues counted twice",
+            shared_prefix_lookups.clone(),
+        );
         Self {
             registry,
             events_applied,
@@ -335,6 +343,7 @@ impl Default for Metrics {
             kv_cache_unsupported,
             incomplete,
             unauthorized,
+            shared_prefix_lookups,
             lookups,
             shed,
             salt_probes_held,

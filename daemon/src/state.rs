@@ -65,6 +65,8 @@ pub struct Daemon {
     /// This run's random name, sent to peers ([`crate::peers::INSTANCE_HEADER`]) so that a
     /// daemon listed among its own peers finds itself.
     pub instance: String,
+    /// Where recent lookups' longest matches ended: which prefixes are in demand.
+    pub recent_prefixes: Mutex<crate::demand::RecentPrefixes>,
     /// Set while a starting daemon takes its peers' bookings: lookups wait
     /// ([`restored`](Self::restored)).
     pub restoring: tokio::sync::watch::Sender<bool>,
@@ -292,6 +294,10 @@ pub struct Ranking {
     pub complete: bool,
     /// Where a request with nothing cached would go first (the filter's tokenizer hint).
     pub tokenize_at: Option<String>,
+    /// The key the longest match ended at, if any replica matched.
+    ended_at: Option<u64>,
+    /// How much that prefix was in demand.
+    demand: kvaffine_core::Demand,
 }
 
 impl Ranking {
@@ -392,6 +398,7 @@ impl Daemon {
             peer_speeds: Mutex::default(),
             instance: new_instance(),
             restoring: tokio::sync::watch::channel(false).0,
+            recent_prefixes: Mutex::default(),
         }
     }
 
@@ -605,10 +612,31 @@ impl Daemon {
         let turn = self
             .lookups
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (order, reason) =
-            self.settings
-                .policy
-                .rank_top(request_blocks, &candidates, turn, request.candidates);
+        // Block matches only: text matches are scaled, a presumed one is not a match.
+        let longest = candidates
+            .iter()
+            .map(|c| c.matched_blocks)
+            .max()
+            .unwrap_or(0);
+        let ended_at = match &request.query {
+            Query::Blocks(keys) if presumed.is_none() => longest
+                .checked_sub(1)
+                .and_then(|last| keys.get(last))
+                .filter(|_| longest >= self.settings.policy.min_matched_blocks)
+                .map(|key| key.0),
+            _ => None,
+        };
+        let demand = ended_at.map_or(kvaffine_core::Demand::Own, |key| {
+            self.recent_prefixes.lock().demand(key, now)
+        });
+
+        let (order, reason) = self.settings.policy.rank_top(
+            request_blocks,
+            &candidates,
+            turn,
+            demand,
+            request.candidates,
+        );
         let tokenize_at = self
             .settings
             .policy
@@ -624,6 +652,8 @@ impl Daemon {
                 .collect(),
             replicas,
             reason,
+            ended_at,
+            demand,
         }
     }
 
@@ -996,6 +1026,12 @@ impl Daemon {
     /// Ranks, then books if asked, counting the outcome.
     pub fn lookup(&self, request: &LookupRequest, now: Instant) -> (Ranking, Option<String>) {
         let ranking = self.rank(request, now);
+        if let Some(key) = ranking.ended_at {
+            self.recent_prefixes.lock().note(key, now);
+        }
+        if ranking.demand == kvaffine_core::Demand::Shared {
+            self.metrics.shared_prefix_lookups.inc();
+        }
         let booked = self.book(request, &ranking, now);
         self.metrics.count_lookup(ranking.reason);
         (ranking, booked)

@@ -1351,6 +1351,65 @@ fn a_daemon_that_starts_takes_the_bookings_its_peers_hold() {
 }
 
 #[test]
+fn a_prefix_other_lookups_want_leaves_its_queue_for_an_idle_replica_sooner() {
+    let ctx = zmq::Context::new();
+    let (pa, pb) = (publisher(&ctx), publisher(&ctx));
+    // A holds a 21-block prompt; B nothing; both answer their scrapes (empty: idle).
+    // Booked picks stay pending (1 token/s, never saturating).
+    let ((a, _), (b, _)) = (scrape_recorder(), scrape_recorder());
+    let shared = prompt(140, 21);
+    pa.publish(&batch(vec![stored(&shared, 0, own)])).unwrap();
+    let daemon = DaemonProcess::start(&[
+        "--endpoint",
+        &endpoint_flag(&a, &pa),
+        "--endpoint",
+        &endpoint_flag(&b, &pb),
+        "--prefill-tokens-per-second",
+        "1",
+        "--request-overhead-tokens",
+        "0",
+        "--max-pending-prefill-tokens",
+        "1000000",
+    ]);
+    daemon.wait_ready();
+    // Requests of that prompt and a block of their own: 1 cold block and 21 cached (2.1
+    // blocks of work) on A, against 22 cold blocks on B. Each pick on A queues 3.1 blocks,
+    // so A wins while its queue is under 18.9 blocks: 7 picks counting it once, 4
+    // counting it twice, as from the third lookup ending at the same key.
+    let mut went = Vec::new();
+    for n in 0..5 {
+        let mut request = shared.clone();
+        request.extend(prompt(150 + n, 1));
+        let body = json!({"keys": keys(&request), "book": {"ttl_ms": 60_000}}).to_string();
+        let (status, answer) = daemon.json("POST", "/v1/lookup", &body);
+        assert_eq!(status, 200, "{answer}");
+        went.push((
+            answer["booked"].as_str().unwrap().to_owned(),
+            answer["reason"].clone(),
+        ));
+    }
+    let expected: Vec<(String, serde_json::Value)> = [&a, &a, &a, &a, &b]
+        .iter()
+        .zip(["prefix", "prefix", "prefix", "prefix", "saturated"])
+        .map(|(e, r)| (e.to_string(), json!(r)))
+        .collect();
+    assert_eq!(went, expected);
+    assert_eq!(daemon.metric("kvaffined_shared_prefix_lookups_total "), 3.0);
+    // A conversation's own turns end further on each time: never shared.
+    let mut history = prompt(160, 2);
+    for turn in 0..4 {
+        let body = json!({"keys": keys(&history), "book": {"ttl_ms": 60_000}}).to_string();
+        assert_eq!(
+            daemon.json("POST", "/v1/lookup", &body).0,
+            200,
+            "turn {turn}"
+        );
+        history.extend(prompt(170 + turn, 1));
+    }
+    assert_eq!(daemon.metric("kvaffined_shared_prefix_lookups_total "), 3.0);
+}
+
+#[test]
 fn peers_named_by_dns_share_bookings_and_a_daemon_among_its_peers_leaves_itself_out() {
     let ctx = zmq::Context::new();
     let (pa, pb) = (publisher(&ctx), publisher(&ctx));

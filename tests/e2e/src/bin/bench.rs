@@ -694,7 +694,7 @@ fn seed(out: &str, engine: &str, hybrid: bool) -> anyhow::Result<()> {
 /// in turn, the daemons' bookings shared or not, and (concurrency) every gateway asking
 /// one kvaffined; five runs of each, median and range.
 fn gateways() -> anyhow::Result<()> {
-    use kvaffine_e2e::scenarios::{self, Engine, GatewayDaemons, PROFILES, Topology};
+    use kvaffine_e2e::scenarios::{self, GatewayDaemons};
     const RUNS: usize = 5;
     // The emulator's replicas at the runs' time scale (0.2): 5,115 tokens/s and 40 ms
     // at scale 1.
@@ -704,10 +704,6 @@ fn gateways() -> anyhow::Result<()> {
         "--request-overhead-tokens",
         "205",
     ];
-    let precise = PROFILES
-        .into_iter()
-        .find(|p| p.name == "precise")
-        .context("no precise profile")?;
     let mut md = String::from(
         "\n| scenario (precise) | gateways | kvaffined | prefill speeds | hit rate, median of 5 (range) | `saturated` picks | oracle | TTFT p50 | TTFT p99 |\n|---|---|---|---|---|---|---|---|---|\n",
     );
@@ -762,13 +758,7 @@ fn gateways() -> anyhow::Result<()> {
             };
             let mut runs = Vec::new();
             for _ in 0..RUNS {
-                let run = scenarios::run(
-                    &mut Engine::emu(),
-                    &scenario,
-                    precise,
-                    "",
-                    Topology::Gateways { count, daemons },
-                )?;
+                let run = precise_through_gateways(&scenario, count, daemons)?;
                 let saturated = run.turns.iter().filter(|t| t.reason == "saturated").count();
                 runs.push((run.figures(), saturated));
             }
@@ -805,17 +795,34 @@ fn gateways() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One run of `scenario`, precise routing, through `count` gateways in front of emulated
+/// replicas, their daemons as `daemons` says.
+fn precise_through_gateways(
+    scenario: &kvaffine_e2e::scenarios::Scenario,
+    count: usize,
+    daemons: kvaffine_e2e::scenarios::GatewayDaemons,
+) -> anyhow::Result<kvaffine_e2e::scenarios::Run> {
+    use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Topology};
+    let precise = PROFILES
+        .into_iter()
+        .find(|p| p.name == "precise")
+        .context("no precise profile")?;
+    scenarios::run(
+        &mut Engine::emu(),
+        scenario,
+        precise,
+        "",
+        Topology::Gateways { count, daemons },
+    )
+}
+
 /// `bench restart`: two gateways, each with its own kvaffined; a fresh prefix's first
 /// request through the first, its three siblings through the second, before the first's
 /// events. The second gateway's daemon kept, or killed and started again in between, its
 /// daemon peered with the first's or not.
 fn restart() -> anyhow::Result<()> {
-    use kvaffine_e2e::scenarios::{self, Engine, GatewayDaemons, PROFILES, Topology};
+    use kvaffine_e2e::scenarios::{self, GatewayDaemons};
     const RUNS: usize = 10;
-    let precise = PROFILES
-        .into_iter()
-        .find(|p| p.name == "precise")
-        .context("no precise profile")?;
     let mut md = String::from(
         "\n| second gateway's kvaffined | daemons | siblings served where their first went, all 10 runs | each run (of 18) | siblings' hit rate, median (range) | oracle | siblings' TTFT p50 |\n|---|---|---|---|---|---|---|\n",
     );
@@ -829,13 +836,7 @@ fn restart() -> anyhow::Result<()> {
         eprintln!("{} with daemons {daemons:?} ...", scenario.name);
         let mut runs = Vec::new();
         for _ in 0..RUNS {
-            let run = scenarios::run(
-                &mut Engine::emu(),
-                &scenario,
-                precise,
-                "",
-                Topology::Gateways { count: 2, daemons },
-            )?;
+            let run = precise_through_gateways(&scenario, 2, daemons)?;
             let (mut together, mut siblings) = (0usize, 0usize);
             let (mut cached, mut prompt, mut oracle) = (0u64, 0u64, 0u64);
             let mut ttfts = Vec::new();

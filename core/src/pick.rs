@@ -398,8 +398,8 @@ mod tests {
     #[test]
     fn a_prefix_in_demand_leaves_a_queue_for_an_idle_replica_sooner() {
         let policy = PickPolicy::default();
-        // 100 blocks held by a replica with 900 tokens queued: 20 cached blocks' work
-        // (160) + 900 + 200 fixed, against 1,600 cold + 200 on an idle replica.
+        // 100 blocks held by a replica with 900 tokens queued: 100 cached blocks' work
+        // (160 tokens) + 900 + 200 fixed, against 1,600 cold + 200 on an idle replica.
         let mut warm = c(100, 0);
         warm.load.pending_prefill_tokens = 900;
         let idle = c(0, 0);

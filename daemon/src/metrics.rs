@@ -321,7 +321,7 @@ impl Default for Metrics {
         );
         registry.register(
             "shared_prefix_lookups",
-            "Lookups whose longest match ended where others had within the last second: ranked with the replicas' queues counted twice",
+            "Lookups whose longest match ended where two other booked lookups had within the last second: ranked with the replicas' queues counted twice",
             shared_prefix_lookups.clone(),
         );
         Self {

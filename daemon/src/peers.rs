@@ -43,12 +43,13 @@ const LEDGER_BOOKINGS: usize = 4_096;
 /// Most keys those bookings hold in all (about 8 MiB of keys, 20 MB of JSON for the peer).
 const LEDGER_KEYS: usize = 1 << 20;
 
-/// Longest lookups wait for a starting daemon to take its peers' bookings: a lookup
-/// answered before then would miss them (a filter whose own timeout is shorter routes the
-/// request unpinned meanwhile).
-pub const RESTORE_GATE: Duration = Duration::from_secs(1);
+/// Longest a starting daemon waits for its peers' bookings, its lookups waiting with it (a
+/// lookup answered before would miss them): below the filter's default `timeout_ms` (300),
+/// so a lookup that waited is still answered in time. Bookings that arrive later are not
+/// taken: by then this daemon has booked picks of its own, which its peers would hand back.
+pub const RESTORE_GATE: Duration = Duration::from_millis(250);
 
-/// How long a starting daemon waits for a peer's bookings.
+/// How long a starting daemon waits for a peer's measured speeds.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a peer has to take a batch.
@@ -173,11 +174,12 @@ pub fn handed_on(live: &[(Instant, Arc<PeerBooking>)], now: Instant) -> PeerBook
 /// `own`, this daemon's address): a daemon that starts beside running peers then knows the
 /// picks made before it started (its own included, if it restarted: the peers hold those)
 /// and ranks each replica at the speed a peer measured until it has measured the replica
-/// itself. Bookings come from the first peer that holds any, at once (those the replicas'
-/// replays then confirm are confirmed as any booking is), while lookups wait (at most
-/// [`RESTORE_GATE`]); speeds from each peer in turn until every replica followed has one.
-/// A peer that does not answer, or answers 405 (the release before had no `GET` here), is
-/// passed over; one that is this daemon itself is left out of `peers`.
+/// itself. Bookings are asked of every peer at once and taken from the first that answers
+/// with any within [`RESTORE_GATE`], while lookups wait (those the replicas' replays then
+/// confirm are confirmed as any booking is); then lookups go on. Speeds come from each peer
+/// in turn until every replica followed has one. A peer that does not answer, or answers
+/// 405 (the release before had no `GET` here), is passed over; one that is this daemon
+/// itself is left out of `peers`.
 pub async fn restore(
     daemon: Arc<Daemon>,
     peers: Arc<PeerList>,
@@ -196,10 +198,27 @@ pub async fn restore(
         request
     };
     let instance = daemon.instance.as_str();
-    let candidates: Vec<String> = peers.current().into_iter().filter(|p| *p != own).collect();
-    for peer in &candidates {
-        match fetch::<PeerBookings>(get(peer, PEER_BOOKINGS_PATH), instance).await {
-            Ok(None) => peers.itself(peer),
+    let mut asks = tokio::task::JoinSet::new();
+    for peer in peers.current().into_iter().filter(|p| *p != own) {
+        let ask = get(&peer, PEER_BOOKINGS_PATH);
+        let instance = daemon.instance.clone();
+        asks.spawn(async move { (fetch::<PeerBookings>(ask, &instance).await, peer) });
+    }
+    let gate = tokio::time::sleep(RESTORE_GATE);
+    tokio::pin!(gate);
+    loop {
+        let answer = tokio::select! {
+            answer = asks.join_next() => answer,
+            () = &mut gate => {
+                warn!("no peer handed its bookings on within {RESTORE_GATE:?}: starting without");
+                break;
+            }
+        };
+        let Some(Ok((answer, peer))) = answer else {
+            break;
+        };
+        match answer {
+            Ok(None) => peers.itself(&peer),
             Ok(Some(batch)) if !batch.bookings.is_empty() => {
                 let held = daemon.hold_peer_bookings(&batch.bookings, Instant::now(), "restored");
                 info!(%peer, offered = batch.bookings.len(), held, "took the bookings a peer holds");
@@ -209,6 +228,7 @@ pub async fn restore(
             Err(err) => warn!(%peer, "no bookings from this peer at start: {err}"),
         }
     }
+    asks.abort_all();
     daemon.restoring.send_replace(false);
     let missing = || {
         let known = daemon.peer_speeds.lock();
@@ -472,6 +492,8 @@ async fn forward(
                         .get(peer)
                         .is_none_or(|t| now.duration_since(*t) >= WARNING_EVERY);
                     if due {
+                        // Pods come and go under new addresses: forget the quiet ones.
+                        warned.retain(|_, at| now.duration_since(*at) < WARNING_EVERY);
                         warned.insert(peer.to_owned(), now);
                         warn!(%peer, "bookings not shared with this peer: {err}");
                     }

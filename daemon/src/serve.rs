@@ -114,13 +114,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     println!("listening on {local}");
     if daemon.peers.get().is_some() {
         // The replicas are known now: take what the peers hold, lookups waiting meanwhile
-        // (at most RESTORE_GATE).
+        // (at most RESTORE_GATE; the restore lifts the wait).
         daemon.restoring.send_replace(true);
-        let gate = daemon.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(crate::peers::RESTORE_GATE).await;
-            gate.restoring.send_replace(false);
-        });
         tokio::spawn(crate::peers::restore(
             daemon.clone(),
             fleet.peers.clone(),

@@ -1026,7 +1026,8 @@ impl Daemon {
     /// Ranks, then books if asked, counting the outcome.
     pub fn lookup(&self, request: &LookupRequest, now: Instant) -> (Ranking, Option<String>) {
         let ranking = self.rank(request, now);
-        if let Some(key) = ranking.ended_at {
+        // Only picks count: an operator's explain or a probe asks without booking.
+        if let Some(key) = ranking.ended_at.filter(|_| request.book.is_some()) {
             self.recent_prefixes.lock().note(key, now);
         }
         if ranking.demand == kvaffine_core::Demand::Shared {

@@ -436,8 +436,8 @@ def check_overlay(label, objects, context):
 def check_peers(where, objects, obj, daemon, listen, names):
     """Each --peer-dns name is a headless Service of this very workload's pods, on the port
     the daemon listens on (on the pod's address), listing pods before they are ready."""
-    if not listen or not listen.startswith("0.0.0.0:"):
-        fail(where, "a peered kvaffined must listen on 0.0.0.0 (its peers reach it at its pod's address)")
+    if not listen or not listen.startswith(("0.0.0.0:", "[::]:")):
+        fail(where, "a peered kvaffined must listen on 0.0.0.0 or [::] (its peers reach it at its pod's address)")
         return
     port = int(listen.rsplit(":", 1)[1])
     labels = pod_spec_labels(obj)

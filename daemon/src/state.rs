@@ -612,14 +612,15 @@ impl Daemon {
         let turn = self
             .lookups
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // Block matches only: text matches are scaled, a presumed one is not a match.
+        // Block matches only: text matches are scaled (and salt probes, the only presumed
+        // picks, carry text keys).
         let longest = candidates
             .iter()
             .map(|c| c.matched_blocks)
             .max()
             .unwrap_or(0);
         let ended_at = match &request.query {
-            Query::Blocks(keys) if presumed.is_none() => longest
+            Query::Blocks(keys) => longest
                 .checked_sub(1)
                 .and_then(|last| keys.get(last))
                 .filter(|_| longest >= self.settings.policy.min_matched_blocks)

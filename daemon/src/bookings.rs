@@ -1,23 +1,18 @@
-//! Bookings: a precise lookup's pick, remembered until the replica's events confirm it,
-//! and the prefill backlog every pick puts on its replica.
+//! Bookings: a precise lookup's pick, remembered until the replica's events confirm it.
 //!
 //! Without them, requests that share a fresh prefix and arrive before its KV events (a
 //! sibling burst; events lag prefill) would each see no match and scatter. A booked prefix
 //! counts as held by its replica until the replica stores the booked blocks or the booking
-//! expires. Each pick also adds its prefill work to its replica's backlog, which drains at
-//! the replica's prefill speed (a replica prefills one batch after another, so work booked
-//! together finishes one after another) and loses a pick at once when the replica's events
-//! store the pick's last block.
+//! expires. The prefill work each pick queues is kept apart, in [`crate::backlog`].
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
 use foldhash::fast::RandomState;
 use kvaffine_core::BlockKey;
 
 use crate::slots::{HeldBy, Slot, SlotSet};
-use crate::speed::PrefillQueue;
 
 struct Booking {
     slot: Slot,
@@ -82,108 +77,6 @@ impl HeldBy for BookedBy<'_> {
     fn add_to(&self, set: &mut SlotSet) {
         for (slot, _) in self.0 {
             set.insert(*slot);
-        }
-    }
-}
-
-/// The prefill queued on each replica by picks: it drains at the replica's speed, and a
-/// pick is done at once when the replica's events store its last block.
-pub struct Backlogs {
-    /// Per slot, grown to the highest slot used: a lookup reads every queue.
-    queues: Vec<PrefillQueue>,
-    tokens_per_second: Vec<f64>,
-    /// The speed of a slot not yet told its own.
-    unmeasured: f64,
-}
-
-impl Backlogs {
-    /// Empty queues, every replica prefilling at `tokens_per_second` until told otherwise.
-    pub fn new(tokens_per_second: f64) -> Self {
-        Self {
-            queues: Vec::new(),
-            tokens_per_second: Vec::new(),
-            unmeasured: tokens_per_second,
-        }
-    }
-
-    /// Makes room for `slot`'s queue and speed.
-    fn grow(&mut self, slot: Slot) {
-        let n = slot.index() + 1;
-        if self.queues.len() < n {
-            self.queues.resize(n, PrefillQueue::default());
-            self.tokens_per_second.resize(n, self.unmeasured);
-        }
-    }
-
-    /// `slot`'s replica prefills at `tokens_per_second` from `now` on (what it queued
-    /// drained at the old speed until then).
-    pub fn set_speed(&mut self, slot: Slot, tokens_per_second: f64, now: Instant) {
-        self.grow(slot);
-        let n = slot.index();
-        if let (Some(queue), Some(rate)) =
-            (self.queues.get_mut(n), self.tokens_per_second.get_mut(n))
-        {
-            if *rate != tokens_per_second {
-                queue.settle(now, *rate);
-                *rate = tokens_per_second;
-            }
-        }
-    }
-
-    /// A pick at `now` adds `work` to `slot`'s queue, done once `slot` stores `last_key`.
-    pub fn add(&mut self, slot: Slot, work: u64, last_key: Option<u64>, now: Instant) {
-        self.grow(slot);
-        let n = slot.index();
-        if let (Some(queue), Some(&rate)) = (self.queues.get_mut(n), self.tokens_per_second.get(n))
-        {
-            queue.add(work as f64, last_key, now, rate);
-        }
-    }
-
-    /// `slot` stored these keys: the picks ending in one of them are done.
-    pub fn confirm(&mut self, slot: Slot, stored: &[u64], now: Instant) {
-        let n = slot.index();
-        if let (Some(queue), Some(&rate)) = (self.queues.get_mut(n), self.tokens_per_second.get(n))
-        {
-            queue.confirm(stored, now, rate);
-        }
-    }
-
-    /// Prefill still queued per slot (by slot number) at `now`, in uncached-token equivalents, for a
-    /// request of block keys `own`. Picks whose last block is one of `own` are left out:
-    /// they prefill a prefix of this request, work it needs wherever it goes (queued
-    /// already on their replica, done again anywhere else), so they must not push it off
-    /// that replica. Counted, a turn 1 whose events had not arrived yet sent its
-    /// continuation to a cold replica whenever recomputing it looked a hair cheaper than
-    /// waiting for turn 1 plus reading its cache.
-    pub fn pending_tokens(&self, now: Instant, own: &[BlockKey]) -> Vec<u64> {
-        // The queued picks' last keys that are the request's own: the queues hold a few
-        // picks, a request thousands of keys, so the request is scanned once against
-        // them rather than hashed whole on every lookup.
-        let queued: HashSet<u64> = self
-            .queues
-            .iter()
-            .flat_map(PrefillQueue::last_keys)
-            .collect();
-        let own: HashSet<u64> = if queued.is_empty() {
-            HashSet::new()
-        } else {
-            own.iter()
-                .map(|k| k.0)
-                .filter(|k| queued.contains(k))
-                .collect()
-        };
-        self.queues
-            .iter()
-            .zip(&self.tokens_per_second)
-            .map(|(queue, &rate)| queue.pending(now, rate, |key| own.contains(&key)) as u64)
-            .collect()
-    }
-
-    /// Empties `slot`'s queue (the endpoint was purged or removed).
-    pub fn forget_slot(&mut self, slot: Slot) {
-        if let Some(queue) = self.queues.get_mut(slot.index()) {
-            *queue = PrefillQueue::default();
         }
     }
 }
@@ -473,39 +366,5 @@ mod tests {
             &[],
             now + Duration::from_secs(3)
         ));
-    }
-
-    #[test]
-    fn backlogs_drain_at_each_slots_speed_and_on_its_events() {
-        let (a, b) = (Slot::new(0).unwrap(), Slot::new(1).unwrap());
-        let now = Instant::now();
-        let mut backlogs = Backlogs::new(1000.0);
-        backlogs.set_speed(b, 2000.0, now);
-        backlogs.add(a, 300, Some(11), now);
-        backlogs.add(a, 300, Some(12), now);
-        backlogs.add(b, 600, Some(11), now);
-        let later = now + Duration::from_millis(200);
-        assert_eq!(backlogs.pending_tokens(later, &[])[..2], [400, 200]);
-        // A request whose prefix A's second pick prefills does not wait for that pick
-        // there; A's first pick (100 left) and B's are still in front of it.
-        assert_eq!(
-            backlogs.pending_tokens(later, &keys(&[10, 12]))[..2],
-            [100, 200]
-        );
-        assert_eq!(
-            backlogs.pending_tokens(later, &keys(&[11, 12]))[..2],
-            [0, 0]
-        );
-        // A's first pick is stored: done, whatever the speed said. B stored nothing.
-        backlogs.confirm(a, &[11], later);
-        assert_eq!(backlogs.pending_tokens(later, &[])[..2], [300, 200]);
-        // A speed learned later drains what is left at the new rate from then on.
-        backlogs.set_speed(a, 100.0, later);
-        assert_eq!(
-            backlogs.pending_tokens(later + Duration::from_secs(1), &[])[..2],
-            [200, 0]
-        );
-        backlogs.forget_slot(a);
-        assert_eq!(backlogs.pending_tokens(later, &[])[0], 0);
     }
 }

@@ -5,6 +5,7 @@
 //! library so benchmarks and tests can drive the index and API in-process.
 
 pub mod auth;
+pub mod backlog;
 pub mod bookings;
 pub mod check_cmd;
 pub mod config;

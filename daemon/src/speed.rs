@@ -12,8 +12,6 @@
 //! set by hand: with no flag given, the ranking drains and weighs each replica's work at
 //! what it measured.
 
-use std::collections::VecDeque;
-
 use kvaffine_core::PrefillSpeed;
 use serde::Serialize;
 
@@ -377,124 +375,8 @@ pub fn unmeasured(flags: SpeedFlags) -> SpeedView {
         .unwrap_or_default()
 }
 
-/// Prefill queued on one replica by picks, first in first out, as of `at`.
-#[derive(Clone, Debug, Default)]
-pub struct PrefillQueue {
-    /// Each pick's work not yet drained, with the last block key it booked (None for a
-    /// text-keyed pick, which no event confirms).
-    items: VecDeque<(Option<u64>, f64)>,
-    total: f64,
-    at: Option<std::time::Instant>,
-}
-
-/// Picks remembered per replica; past it the two oldest merge (the older one's own
-/// confirmation is then lost, and it drains with the newer).
-const MAX_QUEUED_PICKS: usize = 1024;
-
-impl PrefillQueue {
-    /// Drains what `tokens_per_second` prefilled since the last change, oldest first.
-    pub fn settle(&mut self, now: std::time::Instant, tokens_per_second: f64) {
-        let mut drained = self.at.map_or(0.0, |at| {
-            now.saturating_duration_since(at).as_secs_f64() * tokens_per_second
-        });
-        // A lookup's `now` may be older than a confirmation's: the clock never goes back,
-        // or that interval would drain twice.
-        self.at = Some(self.at.map_or(now, |at| at.max(now)));
-        while drained > 0.0 {
-            let Some(front) = self.items.front_mut() else {
-                break;
-            };
-            if front.1 > drained {
-                front.1 -= drained;
-                self.total -= drained;
-                break;
-            }
-            drained -= front.1;
-            self.total -= front.1;
-            self.items.pop_front();
-        }
-        if self.items.is_empty() {
-            self.total = 0.0;
-        }
-    }
-
-    /// A pick at `now` queues `work` tokens, confirmed once the replica stores `last_key`.
-    pub fn add(
-        &mut self,
-        work: f64,
-        last_key: Option<u64>,
-        now: std::time::Instant,
-        tokens_per_second: f64,
-    ) {
-        self.settle(now, tokens_per_second);
-        self.items.push_back((last_key, work));
-        self.total += work;
-        if self.items.len() > MAX_QUEUED_PICKS {
-            if let Some((_, older)) = self.items.pop_front() {
-                if let Some(front) = self.items.front_mut() {
-                    front.1 += older;
-                }
-            }
-        }
-    }
-
-    /// The replica stored these keys: the picks ending in one of them are prefilled,
-    /// which its events say before any speed estimate could. Picks queued before them are
-    /// left to drain: a pick's last block may be an early block of a longer prompt still
-    /// being prefilled.
-    pub fn confirm(&mut self, stored: &[u64], now: std::time::Instant, tokens_per_second: f64) {
-        if self.items.is_empty() {
-            return;
-        }
-        self.settle(now, tokens_per_second);
-        let stored: std::collections::HashSet<u64> = stored.iter().copied().collect();
-        let total = &mut self.total;
-        self.items.retain(|(key, work)| {
-            let done = key.is_some_and(|k| stored.contains(&k));
-            if done {
-                *total -= work;
-            }
-            !done
-        });
-        if self.items.is_empty() {
-            self.total = 0.0;
-        }
-    }
-
-    /// The last keys of the picks queued (text-keyed picks have none).
-    pub fn last_keys(&self) -> impl Iterator<Item = u64> + '_ {
-        self.items.iter().filter_map(|(key, _)| *key)
-    }
-
-    /// Tokens still queued at `now`, leaving out the picks whose last key `is_own`
-    /// accepts (a request's own prefix: see [`Backlogs::pending_tokens`]).
-    ///
-    /// [`Backlogs::pending_tokens`]: crate::bookings::Backlogs::pending_tokens
-    pub fn pending(
-        &self,
-        now: std::time::Instant,
-        tokens_per_second: f64,
-        is_own: impl Fn(u64) -> bool,
-    ) -> f64 {
-        let mut drained = self.at.map_or(0.0, |at| {
-            now.saturating_duration_since(at).as_secs_f64() * tokens_per_second
-        });
-        let mut pending = 0.0;
-        for (key, work) in &self.items {
-            let left = (work - drained).max(0.0);
-            drained = (drained - work).max(0.0);
-            if !key.is_some_and(&is_own) {
-                pending += left;
-            }
-        }
-        pending
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
-
     use super::*;
 
     fn counters(requests: f64, seconds: f64, computed_tokens: f64) -> PrefillCounters {
@@ -747,58 +629,5 @@ mod tests {
         );
         assert_eq!(views[1].tokens_per_second, 10_000.0);
         assert_eq!(views[0].speed(), views[2].speed());
-    }
-
-    #[test]
-    fn the_queue_drains_oldest_first_and_events_confirm_picks_at_once() {
-        let now = Instant::now();
-        let mut queue = PrefillQueue::default();
-        queue.add(300.0, Some(1), now, 1000.0);
-        queue.add(300.0, Some(2), now, 1000.0);
-        queue.add(300.0, None, now, 1000.0);
-        assert_eq!(queue.pending(now, 1000.0, |_| false), 900.0);
-        let later = now + Duration::from_millis(100);
-        assert_eq!(queue.pending(later, 1000.0, |_| false), 800.0);
-        // The replica stored the second pick's last block: it is done, however slowly the
-        // estimate drained it; the first drains on (its last block may still be coming).
-        queue.confirm(&[7, 2], later, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0, |_| false), 500.0);
-        // A key no queued pick ends in confirms nothing.
-        queue.confirm(&[9], later, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0, |_| false), 500.0);
-        queue.confirm(&[1], later, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0, |_| false), 300.0);
-        // A lookup's clock older than the last change drains nothing twice.
-        assert_eq!(queue.pending(now, 1000.0, |_| false), 300.0);
-        queue.add(0.0, None, now, 1000.0);
-        assert_eq!(queue.pending(later, 1000.0, |_| false), 300.0);
-        assert_eq!(
-            queue.pending(later + Duration::from_secs(1), 1000.0, |_| false),
-            0.0
-        );
-        queue.add(50.0, Some(3), later + Duration::from_secs(1), 1000.0);
-        assert_eq!(
-            queue.pending(later + Duration::from_secs(1), 1000.0, |_| false),
-            50.0
-        );
-    }
-
-    #[test]
-    fn the_queue_remembers_a_bounded_number_of_picks() {
-        let now = Instant::now();
-        let mut queue = PrefillQueue::default();
-        for key in 0..(MAX_QUEUED_PICKS as u64 + 10) {
-            queue.add(1.0, Some(key), now, 1.0);
-        }
-        assert_eq!(queue.items.len(), MAX_QUEUED_PICKS);
-        assert_eq!(
-            queue.pending(now, 1.0, |_| false),
-            MAX_QUEUED_PICKS as f64 + 10.0
-        );
-        queue.confirm(&[MAX_QUEUED_PICKS as u64 + 9], now, 1.0);
-        assert_eq!(
-            queue.pending(now, 1.0, |_| false),
-            MAX_QUEUED_PICKS as f64 + 9.0
-        );
     }
 }

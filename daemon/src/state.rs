@@ -12,7 +12,8 @@ use kvaffine_core::{BlockKey, Candidate, Load, PrefillSpeed, Reason};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
-use crate::bookings::{Backlogs, Bookings, SaltBookings};
+use crate::backlog::Backlogs;
+use crate::bookings::{Bookings, SaltBookings};
 use crate::config::{EndpointSpec, Settings};
 use crate::history::History;
 use crate::hybrid::{Layout, Rule, hybrid_hit};

@@ -67,6 +67,14 @@ impl Default for Rule {
     }
 }
 
+impl Rule {
+    /// One full-attention group 0, the rule of every replica that is not hybrid: read
+    /// without building [`Rule::default`] on every lookup.
+    pub fn is_plain(&self) -> bool {
+        matches!(self, Rule::Prefix(groups) if groups.as_slice() == [0])
+    }
+}
+
 impl Layout {
     /// Records the group a store names; true if the layout changed.
     pub fn learn(

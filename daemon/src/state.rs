@@ -682,8 +682,10 @@ impl Daemon {
                     .endpoints
                     .read()
                     .iter()
-                    .map(|e| (e.slot, e.status.lock().rule.clone()))
-                    .filter(|(_, rule)| **rule != Rule::default())
+                    .filter_map(|e| {
+                        let status = e.status.lock();
+                        (!status.rule.is_plain()).then(|| (e.slot, status.rule.clone()))
+                    })
                     .collect();
                 let index = self.index.read();
                 let bookings = self.bookings.read();
@@ -768,8 +770,14 @@ impl Daemon {
         let speeds = self.speeds.read();
         let mut replicas: Vec<Replica> = Vec::with_capacity(endpoints.len());
         // Replica -> its place in `replicas`: a large fleet's ranks merge without a scan.
+        // Streams are unique by (replica, rank), so with no rank but 0 there is nothing to
+        // merge and no name to hash.
+        let merging = endpoints.iter().any(|e| e.spec.rank != 0);
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
-            HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
+            HashMap::with_capacity_and_hasher(
+                if merging { endpoints.len() } else { 0 },
+                Default::default(),
+            );
         for endpoint in endpoints.iter() {
             let slot = endpoint.slot.index();
             let status = endpoint.status.lock();
@@ -800,12 +808,18 @@ impl Daemon {
                 connected: !status.events_disconnected,
                 alignment: status.alignment,
             };
-            match places
-                .get(endpoint.spec.endpoint.as_str())
-                .and_then(|&i| replicas.get_mut(i))
-            {
+            let merged_into = if merging {
+                places
+                    .get(endpoint.spec.endpoint.as_str())
+                    .and_then(|&i| replicas.get_mut(i))
+            } else {
+                None
+            };
+            match merged_into {
                 None => {
-                    places.insert(&endpoint.spec.endpoint, replicas.len());
+                    if merging {
+                        places.insert(&endpoint.spec.endpoint, replicas.len());
+                    }
                     replicas.push(Replica {
                         record: stream,
                         best_slot: endpoint.slot,

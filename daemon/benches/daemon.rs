@@ -43,7 +43,7 @@ fn daemon_with_index(rng: &mut Rng) -> (Arc<Daemon>, Vec<Vec<u64>>) {
     let daemon = Arc::new(Daemon::new(settings()));
     let chains = fill(&mut daemon.index.write(), rng, 1_000_000);
     for n in 0..ENDPOINTS {
-        daemon.endpoints.write().push(endpoint(n));
+        Arc::make_mut(&mut daemon.endpoints.write()).push(endpoint(n));
     }
     (daemon, chains)
 }

@@ -212,7 +212,7 @@ fn lookups(out: &mut String) {
         let daemon = Arc::new(Daemon::new(settings()));
         *daemon.index.write() = fleet.index();
         for n in 0..endpoints {
-            daemon.endpoints.write().push(endpoint(n));
+            Arc::make_mut(&mut daemon.endpoints.write()).push(endpoint(n));
         }
         let request = |i: usize| LookupRequest {
             query: Query::Blocks(fleet.chain(i).iter().copied().map(BlockKey).collect()),

@@ -218,7 +218,7 @@ impl Fleet {
             }
         }
         let wanted_specs: HashSet<&EndpointSpec> = wanted.iter().copied().collect();
-        let current: Vec<Arc<Endpoint>> = self.daemon.endpoints.read().clone();
+        let current: Vec<Arc<Endpoint>> = self.daemon.endpoints.read().to_vec();
         let gone: Vec<&Arc<Endpoint>> = current
             .iter()
             .filter(|e| !wanted_specs.contains(&e.spec))
@@ -270,6 +270,7 @@ impl Fleet {
         );
         let streams = {
             let mut endpoints = self.daemon.endpoints.write();
+            let endpoints = Arc::make_mut(&mut endpoints);
             endpoints.push(endpoint.clone());
             endpoints.len()
         };
@@ -296,6 +297,7 @@ impl Fleet {
         endpoint.stop.store(true, Ordering::Relaxed);
         let streams = {
             let mut endpoints = self.daemon.endpoints.write();
+            let endpoints = Arc::make_mut(&mut endpoints);
             endpoints.retain(|e| !Arc::ptr_eq(e, endpoint));
             endpoints.len()
         };

@@ -43,8 +43,9 @@ pub struct Daemon {
     speeds_refreshed: Mutex<Option<Instant>>,
     /// Where approximate (text-derived) keys were routed.
     pub history: RwLock<History>,
-    /// Followed endpoints, in the order they were added.
-    pub endpoints: RwLock<Vec<Arc<Endpoint>>>,
+    /// Followed endpoints, in the order they were added; replaced whole when one is added
+    /// or removed, so a ranking keeps the list it ranked and names its picks from it.
+    pub endpoints: RwLock<Arc<Vec<Arc<Endpoint>>>>,
     /// Exported metrics.
     pub metrics: Metrics,
     /// ZMQ contexts, each for [`STREAMS_PER_CONTEXT`] slots (see [`Daemon::zmq`]).
@@ -173,6 +174,15 @@ pub struct EndpointStatus {
 pub struct EndpointMatch {
     /// `HOST:PORT`.
     pub endpoint: String,
+    /// What the lookup found of it.
+    #[serde(flatten)]
+    pub found: Found,
+}
+
+/// What a lookup found of one replica, its name aside: a ranking names only the replicas
+/// it answers with (a thousand names copied per lookup cost more than ranking them).
+#[derive(Clone, Debug, Serialize)]
+pub struct Found {
     /// Leading keys it holds or has booked.
     pub matched_blocks: u32,
     /// Leading keys its events confirm (without bookings).
@@ -229,16 +239,18 @@ const STREAMS_PER_CONTEXT: usize = 128;
 
 /// One replica as a lookup sees it.
 struct Replica {
+    /// Its first stream's place in the ranking's endpoint list (where its name is).
+    at: usize,
     /// What `/v1/lookup` shows of it.
-    record: EndpointMatch,
+    record: Found,
     /// The slot of its best-matching data-parallel rank: where a booking goes.
     best_slot: Slot,
     /// That rank's number (what a peer knows the slot by).
     best_rank: u32,
     /// That slot's window groups, if it has any.
     windows: Option<Windows>,
-    /// The model its metrics name, if scraped.
-    model: Option<String>,
+    /// It serves the request's model, or may (its metrics name none, or the request none).
+    serves_model: bool,
     /// How fast it prefills.
     speed: PrefillSpeed,
 }
@@ -285,6 +297,8 @@ struct Windows {
 
 /// A lookup's ranking, before anything is booked.
 pub struct Ranking {
+    /// The endpoints ranked, where the replicas' names are.
+    endpoints: Arc<Vec<Arc<Endpoint>>>,
     /// One per replica (its data-parallel ranks merged).
     replicas: Vec<Replica>,
     /// Replicas serving the request's model, best first.
@@ -302,6 +316,11 @@ pub struct Ranking {
 }
 
 impl Ranking {
+    /// `replica`'s `HOST:PORT`.
+    fn name(&self, replica: &Replica) -> &str {
+        name_in(&self.endpoints, replica)
+    }
+
     /// The protocol-2 answer: the first `candidates` only.
     pub fn answer(&self, candidates: usize, booked: Option<String>) -> LookupAnswer {
         LookupAnswer {
@@ -311,7 +330,7 @@ impl Ranking {
                 .take(candidates)
                 .filter_map(|&i| self.replicas.get(i))
                 .map(|r| protocol::Candidate {
-                    endpoint: r.record.endpoint.clone(),
+                    endpoint: self.name(r).to_owned(),
                     matched_blocks: r.record.indexed_blocks,
                 })
                 .collect(),
@@ -328,10 +347,18 @@ impl Ranking {
             .order
             .iter()
             .filter_map(|&i| self.replicas.get(i))
-            .map(|r| r.record.endpoint.clone())
+            .map(|r| self.name(r).to_owned())
+            .collect();
+        let endpoints = self
+            .replicas
+            .iter()
+            .map(|r| EndpointMatch {
+                endpoint: self.name(r).to_owned(),
+                found: r.record.clone(),
+            })
             .collect();
         LookupResponse {
-            endpoints: self.replicas.into_iter().map(|r| r.record).collect(),
+            endpoints,
             ranked,
             index: if self.complete {
                 "complete"
@@ -344,10 +371,17 @@ impl Ranking {
     }
 }
 
-impl EndpointMatch {
+/// `replica`'s `HOST:PORT`, in the `endpoints` it was ranked from.
+fn name_in<'a>(endpoints: &'a [Arc<Endpoint>], replica: &Replica) -> &'a str {
+    endpoints
+        .get(replica.at)
+        .map_or("", |endpoint| endpoint.spec.endpoint.as_str())
+}
+
+impl Found {
     /// Folds another data-parallel rank of the same replica into this answer: the best
     /// rank's match counts, bookings add up, and anything wrong with one rank shows.
-    fn merge_rank(&mut self, other: EndpointMatch) {
+    fn merge_rank(&mut self, other: Found) {
         self.matched_blocks = self.matched_blocks.max(other.matched_blocks);
         self.indexed_blocks = self.indexed_blocks.max(other.indexed_blocks);
         for (tier, n) in other.tiers {
@@ -389,7 +423,7 @@ impl Daemon {
             speeds_stale: AtomicBool::new(false),
             speeds_refreshed: Mutex::new(None),
             history: RwLock::new(history),
-            endpoints: RwLock::new(Vec::new()),
+            endpoints: RwLock::new(Arc::new(Vec::new())),
             metrics: Metrics::default(),
             zmq: std::array::from_fn(|_| zmq::Context::new()),
             lookups: std::sync::atomic::AtomicUsize::new(0),
@@ -469,7 +503,7 @@ impl Daemon {
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
         let mut peer_speeds = self.peer_speeds.lock();
-        for endpoint in &endpoints {
+        for endpoint in endpoints.iter() {
             let status = endpoint.status.lock();
             let own = status.speed.measured();
             let peer = if own.is_some() {
@@ -500,7 +534,7 @@ impl Daemon {
         let views = crate::speed::speeds(&measured, self.settings.speed_flags);
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
-        for endpoint in &endpoints {
+        for endpoint in endpoints.iter() {
             let Some((mut view, peer)) = places
                 .get(endpoint.spec.endpoint.as_str())
                 .and_then(|&i| Some((*views.get(i)?, replicas.get(i)?.2)))
@@ -575,9 +609,10 @@ impl Daemon {
         own: &[BlockKey],
         now: Instant,
     ) -> Ranking {
-        let matches = self.matches(&request.query, now);
+        let endpoints = self.endpoints.read().clone();
+        let matches = self.matches(&endpoints, &request.query, now);
         let pending = self.backlogs.lock().pending_tokens(now, own);
-        let mut replicas = self.replicas(&matches, &pending);
+        let mut replicas = self.replicas(&endpoints, &matches, &pending, request.model.as_deref());
         // Text keys stand for a request of `request_blocks` blocks: their matches count in
         // proportion.
         if let Query::Text(keys) = &request.query {
@@ -589,21 +624,15 @@ impl Daemon {
                 }
             }
         }
-        if let Some(replica) = presumed
-            .and_then(|endpoint| replicas.iter_mut().find(|r| r.record.endpoint == endpoint))
-        {
+        if let Some(replica) = presumed.and_then(|endpoint| {
+            replicas
+                .iter_mut()
+                .find(|r| name_in(&endpoints, r) == endpoint)
+        }) {
             replica.record.matched_blocks = u32::try_from(request_blocks).unwrap_or(u32::MAX);
         }
         let rankable: Vec<usize> = (0..replicas.len())
-            .filter(|&i| {
-                match (
-                    &request.model,
-                    replicas.get(i).and_then(|r| r.model.as_ref()),
-                ) {
-                    (Some(wanted), Some(served)) => wanted == served,
-                    _ => true,
-                }
-            })
+            .filter(|&i| replicas.get(i).is_some_and(|r| r.serves_model))
             .collect();
         let candidates: Vec<Candidate> = rankable
             .iter()
@@ -644,8 +673,9 @@ impl Daemon {
             .policy
             .least_busy(&candidates, turn)
             .and_then(|i| replicas.get(*rankable.get(i)?))
-            .map(|r| r.record.endpoint.clone());
+            .map(|r| name_in(&endpoints, r).to_owned());
         Ranking {
+            endpoints,
             tokenize_at,
             complete: replicas.iter().all(|r| r.record.complete),
             order: order
@@ -661,7 +691,7 @@ impl Daemon {
 
     /// How far every slot holds the query's keys: block keys in the KV-event index (and,
     /// for the GPU tier, with bookings over it), text keys in the approximate history.
-    fn matches(&self, query: &Query, now: Instant) -> Matches {
+    fn matches(&self, endpoints: &[Arc<Endpoint>], query: &Query, now: Instant) -> Matches {
         match query {
             Query::Text(keys) => {
                 let routed = self.history.read().longest_prefixes(keys);
@@ -678,9 +708,7 @@ impl Daemon {
                 }
                 let keys: Vec<u64> = keys.iter().map(|k| k.0).collect();
                 // Replicas whose groups are not one full-attention group 0.
-                let special: Vec<(Slot, Arc<Rule>)> = self
-                    .endpoints
-                    .read()
+                let special: Vec<(Slot, Arc<Rule>)> = endpoints
                     .iter()
                     .filter_map(|e| {
                         let status = e.status.lock();
@@ -763,10 +791,15 @@ impl Daemon {
 
     /// One [`Replica`] per followed replica: its data-parallel ranks' streams merge into
     /// one record.
-    fn replicas(&self, matches: &Matches, pending: &[u64]) -> Vec<Replica> {
-        // Read in place, not cloned: a thousand endpoints' reference counts cost more
-        // than the rest of a lookup (`cargo xtask bench scale`).
-        let endpoints = self.endpoints.read();
+    /// One [`Replica`] per replica of `endpoints`, `serves_model` set by whether it
+    /// serves `model`.
+    fn replicas(
+        &self,
+        endpoints: &[Arc<Endpoint>],
+        matches: &Matches,
+        pending: &[u64],
+        model: Option<&str>,
+    ) -> Vec<Replica> {
         let speeds = self.speeds.read();
         let mut replicas: Vec<Replica> = Vec::with_capacity(endpoints.len());
         // Replica -> its place in `replicas`: a large fleet's ranks merge without a scan.
@@ -778,13 +811,12 @@ impl Daemon {
                 if merging { endpoints.len() } else { 0 },
                 Default::default(),
             );
-        for endpoint in endpoints.iter() {
+        for (position, endpoint) in endpoints.iter().enumerate() {
             let slot = endpoint.slot.index();
             let status = endpoint.status.lock();
             let at = |a: &Depths| a.get(slot);
             let load = status.load.unwrap_or_default();
-            let stream = EndpointMatch {
-                endpoint: endpoint.spec.endpoint.clone(),
+            let stream = Found {
                 matched_blocks: at(&matches.matched),
                 indexed_blocks: at(&matches.indexed),
                 tiers: if matches.tiers.is_empty() {
@@ -821,11 +853,15 @@ impl Daemon {
                         places.insert(&endpoint.spec.endpoint, replicas.len());
                     }
                     replicas.push(Replica {
+                        at: position,
                         record: stream,
                         best_slot: endpoint.slot,
                         best_rank: endpoint.spec.rank,
                         windows: matches.windows.get(slot).copied().flatten(),
-                        model: status.model.clone(),
+                        serves_model: match (model, status.model.as_deref()) {
+                            (Some(wanted), Some(served)) => wanted == served,
+                            _ => true,
+                        },
                         speed: speeds.get(slot).copied().unwrap_or_default().speed(),
                     });
                 }
@@ -850,6 +886,7 @@ impl Daemon {
         let booking = request.book?;
         let replica = ranking.replicas.get(*ranking.order.first()?)?;
         let (record, slot) = (&replica.record, replica.best_slot);
+        let endpoint = ranking.name(replica);
         let work = self
             .settings
             .policy
@@ -863,7 +900,7 @@ impl Daemon {
                 self.metrics
                     .booked_predicted
                     .get_or_create(&EndpointLabel {
-                        endpoint: record.endpoint.clone(),
+                        endpoint: endpoint.to_owned(),
                     })
                     // What it can serve: its events' confirmed prefix, bookings left out
                     // (the prediction the filter reports too).
@@ -896,16 +933,9 @@ impl Daemon {
                 keys: keys.iter().map(|k| k.0).collect(),
             },
         };
-        self.hold(slot, &record.endpoint, work as u64, &held, now, now + ttl);
-        self.share(
-            &record.endpoint,
-            replica.best_rank,
-            work as u64,
-            ttl,
-            held,
-            now,
-        );
-        Some(record.endpoint.clone())
+        self.hold(slot, endpoint, work as u64, &held, now, now + ttl);
+        self.share(endpoint, replica.best_rank, work as u64, ttl, held, now);
+        Some(endpoint.to_owned())
     }
 
     /// Holds a booking on `slot` (of replica `endpoint`) until `expires`: its `work`
@@ -1124,9 +1154,7 @@ impl Daemon {
         let first = ranking.order.first().and_then(|&i| ranking.replicas.get(i));
         ranking.reason = match first {
             Some(_) if by_text && ranking.reason == Reason::Prefix => Reason::SaltBooked,
-            Some(first) if booked.as_deref() == Some(first.record.endpoint.as_str()) => {
-                Reason::SaltBooked
-            }
+            Some(first) if booked.as_deref() == Some(ranking.name(first)) => Reason::SaltBooked,
             Some(_) if ranking.reason == Reason::Saturated => Reason::Saturated,
             Some(_) => Reason::NewSalt,
             None => ranking.reason,
@@ -1197,7 +1225,7 @@ impl Daemon {
             .ttl_ms
             .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
         let held = Held::Salt { salt: probe.salt };
-        let endpoint = &replica.record.endpoint;
+        let endpoint = ranking.name(replica);
         self.hold(
             replica.best_slot,
             endpoint,
@@ -1219,7 +1247,7 @@ impl Daemon {
                 self.share(endpoint, replica.best_rank, 0, ttl, held, now);
             }
         }
-        Some(endpoint.clone())
+        Some(endpoint.to_owned())
     }
 }
 

@@ -77,7 +77,9 @@ pub struct Candidate {
 /// every request after it there. So for such a prefix a candidate's queue counts twice: the
 /// wait it costs this request, and the wait this request adds to the next ones. A prefix
 /// one conversation wants (its own history) is not worth the cold prefill: its queue counts
-/// once.
+/// once, and the request's own prefill twice (the wait it costs this request, and the wait
+/// it adds to the next one on that replica), so leaving the warm replica must save what the
+/// recomputed prefix costs the fleet, not only this request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Demand {
     /// One conversation's prefix (or nothing known of others wanting it).
@@ -126,7 +128,10 @@ impl Default for PickPolicy {
 }
 
 impl PickPolicy {
-    fn saturated(&self, c: &Candidate) -> bool {
+    /// Whether `c` is ranked after every unsaturated replica whatever it holds: too many
+    /// waiting, or too much prefill queued (seconds at its own speed, or the operator's
+    /// token bound). Public so that a pick that passed over a match can say why.
+    pub fn saturated(&self, c: &Candidate) -> bool {
         let pending = c.load.pending_prefill_tokens;
         c.load.waiting >= self.max_waiting
             || match self.max_pending_prefill_tokens {
@@ -152,15 +157,21 @@ impl PickPolicy {
     /// the bookings, and counting them as full requests made affinity leave warm replicas
     /// too early (the scenario benchmark's hot-system-prompt and template-divergence runs
     /// lost hit rate and TTFT with it); they saturate a replica and break ties instead.
-    /// A prefix in [`Demand::Shared`] counts the pending prefill twice.
-    fn cost(&self, request_blocks: usize, c: &Candidate, demand: Demand) -> f64 {
-        let queues = match demand {
-            Demand::Own => 1.0,
-            Demand::Shared => 2.0,
+    /// A prefix in [`Demand::Shared`] counts the pending prefill twice, one in
+    /// [`Demand::Own`] the request's own prefill (see [`Demand`]).
+    ///
+    /// Own prefill counted once, a session under concurrency (32 sessions on 4 emulated
+    /// replicas) left its warm replica whenever the queue there passed 0.9 of its cached
+    /// prefix, for a TTFT a few milliseconds lower (debug logs of `bench scenarios
+    /// concurrency`, 2026-12-04): 0.94 of the oracle's hit rate.
+    pub fn cost(&self, request_blocks: usize, c: &Candidate, demand: Demand) -> f64 {
+        let (queues, own) = match demand {
+            Demand::Own => (1.0, 2.0),
+            Demand::Shared => (2.0, 1.0),
         };
         c.speed.seconds(
             queues * c.load.pending_prefill_tokens as f64
-                + self.prefill_work(request_blocks, c.matched_blocks)
+                + own * self.prefill_work(request_blocks, c.matched_blocks)
                 + c.speed.overhead_tokens,
         )
     }
@@ -396,6 +407,28 @@ mod tests {
     }
 
     #[test]
+    fn a_conversation_leaves_its_warm_replica_only_if_the_move_pays_for_the_recompute() {
+        let policy = PickPolicy::default();
+        // 100 blocks held: 160 tokens of cached work against 1,600 cold, each counted
+        // twice, plus 200 fixed: the warm replica keeps the request until its queue passes
+        // 2,880 tokens (1.8x the prefix), where this request alone would gain at 1,440.
+        let mut warm = c(100, 0);
+        let idle = c(0, 0);
+        for (queued, order) in [
+            (1_500, vec![0, 1]),
+            (2_800, vec![0, 1]),
+            (3_000, vec![1, 0]),
+        ] {
+            warm.load.pending_prefill_tokens = queued;
+            assert_eq!(
+                policy.rank_top(100, &[warm, idle], 0, Demand::Own, 2).0,
+                order,
+                "{queued}"
+            );
+        }
+    }
+
+    #[test]
     fn a_prefix_in_demand_leaves_a_queue_for_an_idle_replica_sooner() {
         let policy = PickPolicy::default();
         // 100 blocks held by a replica with 900 tokens queued: 100 cached blocks' work
@@ -447,13 +480,14 @@ mod tests {
         slow.speed.tokens_per_second = 2500.0;
         let mut fast = c(0, 0);
         fast.load.pending_prefill_tokens = 1500;
-        // 100 cold blocks: 1,800 tokens with the overhead; 0.72 s on the idle slow replica,
-        // 0.66 s behind 1,500 queued tokens on the fast one.
+        // 100 cold blocks: 1,600 tokens counted twice (its own wait and the next
+        // request's) and 200 of overhead, 3,400 in all; 1.36 s on the idle slow replica,
+        // 0.98 s behind 1,500 queued tokens on the fast one, 1.38 s behind 3,500.
         assert_eq!(
             policy.rank(100, &[slow, fast], 0),
             (vec![1, 0], Reason::Load)
         );
-        fast.load.pending_prefill_tokens = 2000;
+        fast.load.pending_prefill_tokens = 3500;
         assert_eq!(policy.rank(100, &[slow, fast], 0).0, vec![0, 1]);
         // Equal speeds rank as tokens did, whatever the speed.
         let (mut a, mut b) = (c(0, 0), c(0, 0));

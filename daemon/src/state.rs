@@ -668,6 +668,41 @@ impl Daemon {
             demand,
             request.candidates,
         );
+        if reason == Reason::Saturated && tracing::enabled!(tracing::Level::DEBUG) {
+            let name = |i: usize| {
+                rankable
+                    .get(i)
+                    .and_then(|&r| replicas.get(r))
+                    .map_or("", |r| name_in(&endpoints, r))
+            };
+            let first = order.first().copied();
+            let longest = (0..candidates.len())
+                .filter(|&i| candidates.get(i).is_some_and(|c| c.usable && !c.gone))
+                .max_by_key(|&i| candidates.get(i).map_or(0, |c| c.matched_blocks));
+            if let (Some(first), Some(longest)) = (first, longest) {
+                let policy = &self.settings.policy;
+                let figures = |i: usize| {
+                    candidates.get(i).map(|c| {
+                        (
+                            c.matched_blocks,
+                            c.load.waiting,
+                            c.load.pending_prefill_tokens,
+                            (policy.cost(request_blocks, c, demand) * 1e3).round(),
+                            policy.saturated(c),
+                        )
+                    })
+                };
+                tracing::debug!(
+                    chosen = name(first),
+                    longest = name(longest),
+                    ?demand,
+                    "(matched blocks, waiting, pending prefill tokens, cost ms, saturated): \
+                     chosen {:?}, longest match {:?}",
+                    figures(first),
+                    figures(longest),
+                );
+            }
+        }
         let tokenize_at = self
             .settings
             .policy

@@ -1372,10 +1372,11 @@ fn a_prefix_other_lookups_want_leaves_its_queue_for_an_idle_replica_sooner() {
         "1000000",
     ]);
     daemon.wait_ready();
-    // Requests of that prompt and a block of their own: 1 cold block and 21 cached (2.1
-    // blocks of work) on A, against 22 cold blocks on B. Each pick on A queues 3.1 blocks,
-    // so A wins while its queue is under 18.9 blocks: 7 picks counting it once, 4
-    // counting it twice, as from the third lookup ending at the same key.
+    // Requests of that prompt and a block of their own: 1 cold block and 21 cached (3.1
+    // blocks of work) on A, against 22 cold blocks on B. Each pick on A queues 3.1 blocks.
+    // Counting the queue once and the request's own work twice, A wins while its queue is
+    // under 37.8 blocks (13 picks); counting the queue twice and the work once, as from
+    // the third lookup ending at the same key, under 9.45 blocks (4 picks).
     let mut went = Vec::new();
     for n in 0..5 {
         let mut request = shared.clone();

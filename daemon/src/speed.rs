@@ -101,15 +101,24 @@ impl Sums {
         self.t += t;
     }
 
-    /// Seconds per request and per computed token, or None without enough evidence
-    /// (`requests` and `tokens` seen in all, not decayed).
-    fn fit(&self, requests: f64, tokens: f64) -> Option<(f64, f64)> {
+    /// Seconds per request and per computed token, and whether the samples told the two
+    /// apart (requests of different sizes); None without enough evidence (`requests` and
+    /// `tokens` seen in all, not decayed). Samples that cannot tell them apart (requests of
+    /// one shape: a hot prompt's are all about the same size) keep `known_per_request`,
+    /// the last that could, and give the speed that leaves; with none known, the plain
+    /// ratio.
+    fn fit(
+        &self,
+        requests: f64,
+        tokens: f64,
+        known_per_request: Option<f64>,
+    ) -> Option<(f64, f64, bool)> {
         if requests < MIN_REQUESTS || self.n <= 0.0 {
             return None;
         }
         // Noise needs no token count to be told apart from work.
         if self.t < INSTANT_SECONDS_PER_REQUEST * self.n {
-            return Some((0.0, 0.0));
+            return Some((0.0, 0.0, false));
         }
         if tokens < MIN_COMPUTED_TOKENS {
             return None;
@@ -119,10 +128,16 @@ impl Sums {
             let per_request = (self.kk * self.nt - self.nk * self.kt) / det;
             let per_token = (self.nn * self.kt - self.nk * self.nt) / det;
             if per_request >= 0.0 && per_token > 0.0 {
-                return Some((per_request, per_token));
+                return Some((per_request, per_token, true));
             }
         }
-        Some((0.0, self.t / self.k))
+        if let Some(per_request) = known_per_request {
+            let per_token = (self.t - per_request * self.n) / self.k;
+            if per_token > 0.0 {
+                return Some((per_request, per_token, false));
+            }
+        }
+        Some((0.0, self.t / self.k, false))
     }
 }
 
@@ -139,6 +154,12 @@ pub struct SpeedLearner {
     /// below its threshold.
     requests: f64,
     tokens: f64,
+    /// The fixed cost per request of the last fit that told it apart from the speed.
+    /// Without it, a hot prompt's requests (all of one shape, nearly all cached) were fitted
+    /// as a speed with no fixed cost: 20,530 tokens/s and 0 for an emulated replica of
+    /// 25,575 and 205 tokens, so each such pick counted 370 tokens of the 575 it costs and
+    /// the ranking drained that replica's queue faster than the replica did.
+    per_request: Option<f64>,
 }
 
 impl Default for SpeedLearner {
@@ -158,6 +179,7 @@ impl SpeedLearner {
             samples: 0,
             requests: 0.0,
             tokens: 0.0,
+            per_request: None,
         }
     }
 
@@ -197,17 +219,26 @@ impl SpeedLearner {
         self.samples += 1;
         self.requests += n;
         self.tokens += work;
+        if let Some((per_request, _, true)) =
+            self.sums.fit(self.requests, self.tokens, self.per_request)
+        {
+            self.per_request = Some(per_request);
+        }
     }
 
     /// Seconds the fit so far expects `requests` requests of `work` tokens to take.
     fn expected_seconds(&self, requests: f64, work: f64) -> Option<f64> {
-        let (per_request, per_token) = self.sums.fit(self.requests, self.tokens)?;
+        let (per_request, per_token, _) =
+            self.sums
+                .fit(self.requests, self.tokens, self.per_request)?;
         Some(requests * per_request + work * per_token)
     }
 
     /// The replica's own speed, once there is enough evidence.
     pub fn measured(&self) -> Option<PrefillSpeed> {
-        let (per_request, per_token) = self.sums.fit(self.requests, self.tokens)?;
+        let (per_request, per_token, _) =
+            self.sums
+                .fit(self.requests, self.tokens, self.per_request)?;
         if !(per_request.is_finite() && per_token.is_finite()) {
             return None;
         }
@@ -420,6 +451,28 @@ mod tests {
         assert!((speed.tokens_per_second - 8000.0).abs() < 1e-6, "{speed:?}");
         assert!((speed.overhead_tokens - 320.0).abs() < 1e-6, "{speed:?}");
         assert_eq!(learner.samples(), 5);
+    }
+
+    #[test]
+    fn requests_of_one_shape_keep_the_fixed_cost_learned_from_requests_of_many() {
+        let mut learner = SpeedLearner::default();
+        let mixed = [(1.0, 6000.0), (1.0, 64.0), (2.0, 1500.0), (3.0, 100.0)];
+        feed(&mut learner, &mixed, 0.04, 8000.0);
+        // A hundred scrapes of one size, long enough for the mixed ones to decay away:
+        // the plain ratio would give 300 tokens in 77.5 ms, 3,871 tokens/s and no fixed
+        // cost.
+        feed(&mut learner, &[(2.0, 300.0); 100], 0.04, 8000.0);
+        let speed = learner.measured().unwrap();
+        assert!((speed.tokens_per_second - 8000.0).abs() < 1.0, "{speed:?}");
+        assert!((speed.overhead_tokens - 320.0).abs() < 0.1, "{speed:?}");
+        // The replica slows down meanwhile: what is left after the fixed cost is its speed
+        // (within 1%: the faster scrapes have not quite decayed away).
+        feed(&mut learner, &[(2.0, 300.0); 100], 0.04, 4000.0);
+        let speed = learner.measured().unwrap();
+        assert!(
+            (speed.tokens_per_second / 4000.0 - 1.0).abs() < 0.01,
+            "{speed:?}"
+        );
     }
 
     #[test]

@@ -342,29 +342,16 @@ fn booking_memory(out: &mut String) {
     drop(bookings);
 }
 
-/// One part of the report: appends its rows.
-type Section = fn(&mut String);
-
 fn main() {
-    // `cargo bench` passes `--bench`; any other argument names the sections to run
-    // (`cargo bench -p kvaffined --bench daemon -- concurrent`), all of them by default.
-    let only: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|arg| !arg.starts_with("--"))
-        .collect();
-    let sections: [(&str, Section); 6] = [
-        ("lookups", lookups),
-        ("http", http),
-        ("ingest", ingest),
-        ("memory", memory),
-        ("booking_memory", booking_memory),
-        ("concurrent", concurrent),
-    ];
-    let mut out = String::from("| what | p50 | p99 |\n|---|---|---|\n");
-    for (name, section) in sections {
-        if only.is_empty() || only.iter().any(|o| o == name) {
-            section(&mut out);
-        }
-    }
-    println!("{out}");
+    common::run_sections(
+        "| what | p50 | p99 |\n|---|---|---|\n",
+        &[
+            ("lookups", lookups),
+            ("http", http),
+            ("ingest", ingest),
+            ("memory", memory),
+            ("booking_memory", booking_memory),
+            ("concurrent", concurrent),
+        ],
+    );
 }

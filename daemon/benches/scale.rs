@@ -270,23 +270,9 @@ fn ingest(out: &mut String) {
     }
 }
 
-/// One part of the report: appends its rows.
-type Section = fn(&mut String);
-
 fn main() {
-    // `cargo bench` passes `--bench`; any other argument names the sections to run
-    // (`cargo bench -p kvaffined --bench scale -- lookups`), all of them by default.
-    let only: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|arg| !arg.starts_with("--"))
-        .collect();
-    let sections: [(&str, Section); 3] =
-        [("walks", walks), ("lookups", lookups), ("ingest", ingest)];
-    let mut out = String::new();
-    for (name, section) in sections {
-        if only.is_empty() || only.iter().any(|o| o == name) {
-            section(&mut out);
-        }
-    }
-    println!("{out}");
+    common::run_sections(
+        "",
+        &[("walks", walks), ("lookups", lookups), ("ingest", ingest)],
+    );
 }

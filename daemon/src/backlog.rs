@@ -184,13 +184,17 @@ impl Backlogs {
         }
     }
 
-    /// Settles `slot`'s queue at `now`; its queue and speed, if it has them.
-    fn settled(&mut self, slot: Slot, now: Instant) -> Option<(&mut PrefillQueue, f64)> {
+    /// Settles `slot`'s queue at `now`; false if `slot` has no queue.
+    fn settle(&mut self, slot: Slot, now: Instant) -> bool {
         let by_last_key = &mut self.by_last_key;
-        let queue = self.queues.get_mut(slot.index())?;
-        let rate = *self.tokens_per_second.get(slot.index())?;
+        let (Some(queue), Some(&rate)) = (
+            self.queues.get_mut(slot.index()),
+            self.tokens_per_second.get(slot.index()),
+        ) else {
+            return false;
+        };
         queue.settle(now, rate, &mut |pick| unindex(by_last_key, slot, pick));
-        Some((queue, rate))
+        true
     }
 
     /// `slot`'s replica prefills at `tokens_per_second` from `now` on (what it queued
@@ -198,7 +202,7 @@ impl Backlogs {
     pub fn set_speed(&mut self, slot: Slot, tokens_per_second: f64, now: Instant) {
         self.grow(slot);
         if self.tokens_per_second.get(slot.index()) != Some(&tokens_per_second) {
-            self.settled(slot, now);
+            self.settle(slot, now);
             if let Some(rate) = self.tokens_per_second.get_mut(slot.index()) {
                 *rate = tokens_per_second;
             }
@@ -208,7 +212,7 @@ impl Backlogs {
     /// A pick at `now` adds `work` to `slot`'s queue, done once `slot` stores `last_key`.
     pub fn add(&mut self, slot: Slot, work: u64, last_key: Option<u64>, now: Instant) {
         self.grow(slot);
-        self.settled(slot, now);
+        self.settle(slot, now);
         let by_last_key = &mut self.by_last_key;
         let Some(queue) = self.queues.get_mut(slot.index()) else {
             return;
@@ -225,7 +229,7 @@ impl Backlogs {
     /// before them drain on: a pick's last block may be an early block of a longer prompt
     /// still being prefilled.
     pub fn confirm(&mut self, slot: Slot, stored: &[u64], now: Instant) {
-        if self.settled(slot, now).is_none() || self.by_last_key.is_empty() {
+        if !self.settle(slot, now) || self.by_last_key.is_empty() {
             return;
         }
         let mut done = Vec::new();

@@ -349,12 +349,13 @@ impl Ranking {
             .filter_map(|&i| self.replicas.get(i))
             .map(|r| self.name(r).to_owned())
             .collect();
+        let names = &self.endpoints;
         let endpoints = self
             .replicas
-            .iter()
+            .into_iter()
             .map(|r| EndpointMatch {
-                endpoint: self.name(r).to_owned(),
-                found: r.record.clone(),
+                endpoint: name_in(names, &r).to_owned(),
+                found: r.record,
             })
             .collect();
         LookupResponse {

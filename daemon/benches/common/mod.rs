@@ -1,5 +1,5 @@
 //! What the daemon's benches share: a counting allocator, a fast random source, timing
-//! percentiles and the daemon settings they run with.
+//! percentiles, the daemon settings they run with, and running the sections asked for.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -132,4 +132,24 @@ pub fn payloads(keys: &KeyConfig, batches: usize) -> Vec<Vec<u8>> {
             )
         })
         .collect()
+}
+
+/// One part of a bench's report: appends its rows.
+pub type Section = fn(&mut String);
+
+/// Runs the `sections` named on the command line (`cargo bench -p kvaffined --bench NAME
+/// -- SECTION...`; `cargo bench` itself passes `--bench`), all of them by default, and
+/// prints what they wrote after `header`.
+pub fn run_sections(header: &str, sections: &[(&str, Section)]) {
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|arg| !arg.starts_with("--"))
+        .collect();
+    let mut out = header.to_owned();
+    for (name, section) in sections {
+        if only.is_empty() || only.iter().any(|o| o == name) {
+            section(&mut out);
+        }
+    }
+    println!("{out}");
 }

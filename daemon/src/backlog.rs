@@ -6,8 +6,9 @@
 //! replica and per key of the request, never a walk of the queued picks: each queue keeps
 //! the position (in tokens) at which each of its picks is done, so a backlog is its last
 //! position less what has drained, and one map finds the picks ending in a given key. Built
-//! as a set of every queued pick's last key on each lookup instead, booked lookups fell to
-//! 6 k/s from 44 k/s once queues filled (`docs/benchmarks/daemon.md`).
+//! as a set of every queued pick's last key on each lookup instead, booked lookups answered
+//! 6 k/s once queues filled, 22 k/s this way, same machine and session
+//! (`docs/benchmarks/daemon.md`).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;

@@ -964,8 +964,10 @@ fn salt_probes_answer_from_first_blocks_and_bookings() {
     assert!(unbooked["route"]["booked"].is_null(), "{unbooked}");
     assert_eq!(probe("never", false)["route"]["reason"], "new-salt");
 
-    // A's cache cleared: its salt is new again.
+    // A's cache cleared (published with A's next step, as vLLM does): its salt is new again.
     let (status, _) = a.post("/reset_prefix_cache", &json!({}));
+    assert_eq!(status, 200);
+    let (status, _) = a.post("/v1/completions", &json!({"prompt": "a", "max_tokens": 1}));
     assert_eq!(status, 200);
     wait_for("the salt gone with A's blocks", || {
         probe("held", false)["route"]["reason"] == "new-salt"

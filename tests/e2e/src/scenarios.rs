@@ -543,14 +543,10 @@ pub fn run_through<T>(
         }
         Engine::Vllm { replicas } => {
             for replica in replicas.iter() {
-                let (status, answer) = replica.post("/reset_prefix_cache", &json!({}));
-                anyhow::ensure!(
-                    status == 200,
-                    "reset_prefix_cache on {}: {status} {answer}",
-                    replica.http
-                );
+                replica.reset_prefix_cache()?;
             }
             let process = OracleProcess::start(replicas)?;
+            process.wait_empty()?;
             let first = replicas
                 .first()
                 .ok_or_else(|| anyhow::anyhow!("no replica"))?;

@@ -489,6 +489,30 @@ impl VllmProcess {
         format!("{}={},{}", self.http, self.events, self.replay)
     }
 
+    /// Empties its prefix cache, and makes its event stream say so before anything
+    /// subscribes. vLLM queues a reset's `AllBlocksCleared` until its next engine step:
+    /// a subscriber that replays the stream before then takes every block stored before
+    /// the reset as held (a benchmark's daemon and oracle did, for seconds: every router
+    /// run after the first on the same replicas was routed and scored against the run
+    /// before it). One token of a prompt shorter than a block makes that step and stores
+    /// nothing.
+    pub fn reset_prefix_cache(&self) -> anyhow::Result<()> {
+        let (status, answer) = self.post("/reset_prefix_cache", &serde_json::json!({}));
+        anyhow::ensure!(
+            status == 200,
+            "reset_prefix_cache on {}: {status} {answer}",
+            self.http
+        );
+        let step = serde_json::json!({"model": SERVED_MODEL, "prompt": "a", "max_tokens": 1});
+        let (status, answer) = self.post("/v1/completions", &step);
+        anyhow::ensure!(
+            status == 200,
+            "a step after reset_prefix_cache on {}: {status} {answer}",
+            self.http
+        );
+        Ok(())
+    }
+
     /// POSTs JSON, returning the status and parsed body.
     pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
         let (status, text) = http(&self.http, "POST", path, &body.to_string());
@@ -563,6 +587,28 @@ impl OracleProcess {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(oracle)
+    }
+
+    /// Waits until it holds no block of any replica: after
+    /// [`VllmProcess::reset_prefix_cache`], the replicas' streams have said so, so a daemon
+    /// that replays them now starts from the same empty caches.
+    pub fn wait_empty(&self) -> anyhow::Result<()> {
+        crate::poll(
+            "the oracle to see every replica's cache cleared",
+            Duration::from_secs(10),
+            || {
+                let (status, text) = http(&self.addr, "GET", "/ready", "");
+                status == 200
+                    && serde_json::from_str::<serde_json::Value>(&text)
+                        .ok()
+                        .and_then(|v| {
+                            v.as_object().map(|replicas| {
+                                replicas.values().all(|r| r["blocks"].as_u64() == Some(0))
+                            })
+                        })
+                        .unwrap_or(false)
+            },
+        )
     }
 
     /// Waits until it has applied `replica`'s batch `seq` (a marker the caller read off

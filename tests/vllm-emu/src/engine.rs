@@ -345,12 +345,12 @@ impl Engine {
         self.state.lock().cache.hit(&digests, hit_cap) * block_size
     }
 
-    /// `POST /reset_prefix_cache`; false while requests run.
+    /// `POST /reset_prefix_cache`; false while requests run. Its `AllBlocksCleared` goes
+    /// out with the next step's events, as vLLM publishes it (0.32: queued by the block
+    /// pool, taken at the next engine step): until then a subscriber that replays the
+    /// stream takes the blocks stored before the reset as held.
     pub fn reset(&self) -> bool {
-        let mut state = self.state.lock();
-        let done = state.cache.reset();
-        self.flush(&mut state);
-        done
+        self.state.lock().cache.reset()
     }
 
     /// Current counters.

@@ -436,6 +436,38 @@ fn responses_are_rendered_as_vllm_converts_them_and_stream_as_sse() {
 }
 
 #[test]
+fn a_reset_is_published_with_the_next_step_as_vllm_publishes_it() {
+    let emu = EmuProcess::start(&["--time-scale", "0"]);
+    let sub = Events::subscribe(&emu.events);
+    let decoded = |batches: Vec<(u64, Vec<u8>)>| -> Vec<KvEvent> {
+        batches
+            .iter()
+            .flat_map(|(_, p)| events::decode_batch(p).unwrap().events)
+            .collect()
+    };
+    let mut stored = Vec::new();
+    let mut attempt = 0;
+    wait_for("the first prompt's stores", || {
+        attempt += 1;
+        chat(
+            &emu,
+            json!({"messages": [user(&long_text(100, 7 + attempt))], "max_tokens": 2}),
+        );
+        stored.extend(decoded(sub.drain(Duration::from_millis(100))));
+        stored.iter().any(|e| matches!(e, KvEvent::BlockStored(_)))
+    });
+    assert_eq!(emu.post("/reset_prefix_cache", &json!({})).0, 200);
+    let idle = decoded(sub.drain(Duration::from_millis(300)));
+    assert!(idle.is_empty(), "published before any step: {idle:?}");
+    chat(&emu, json!({"messages": [user("a")], "max_tokens": 1}));
+    let mut after = Vec::new();
+    wait_for("the reset, with the next step", || {
+        after.extend(decoded(sub.drain(Duration::from_millis(100))));
+        after.iter().any(|e| matches!(e, KvEvent::AllBlocksCleared))
+    });
+}
+
+#[test]
 fn dropped_batches_never_arrive_live_but_replay_has_them() {
     let emu = EmuProcess::start(&["--event-drop-rate", "1"]);
     let sub = Events::subscribe(&emu.events);

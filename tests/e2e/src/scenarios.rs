@@ -140,7 +140,36 @@ pub struct ReplicaFigures {
     pub ttft_p99_ms: f64,
 }
 
+/// The columns of [`Run::turns_csv`].
+pub const TURNS_CSV_HEADER: &str = "engine,scenario,profile,turn,ok,prompt_tokens,cached_tokens,oracle_tokens,ttft_ms,replica,reason\n";
+
 impl Run {
+    /// One CSV line per request, session by session: what decided each figure (the
+    /// replica, numbered from 1 as in `replicas`, and the router's reason), so that a miss
+    /// can be traced to its pick. Columns as in [`TURNS_CSV_HEADER`].
+    pub fn turns_csv(&self, engine: &str) -> String {
+        let mut csv = String::new();
+        for (i, t) in self.turns.iter().enumerate() {
+            let replica = self
+                .replicas
+                .iter()
+                .position(|r| r == &t.replica)
+                .map_or_else(String::new, |n| (n + 1).to_string());
+            csv.push_str(&format!(
+                "{engine},{},{},{i},{},{},{},{},{:.1},{replica},{}\n",
+                self.scenario,
+                self.profile.replace(',', ";"),
+                t.ok,
+                t.prompt_tokens,
+                t.cached_tokens,
+                t.oracle_tokens,
+                t.ttft.as_secs_f64() * 1e3,
+                t.reason,
+            ));
+        }
+        csv
+    }
+
     /// Each replica's requests, share of the work and TTFT (a mixed fleet's slow replica
     /// should get less work, not worse latency).
     pub fn per_replica(&self) -> Vec<ReplicaFigures> {

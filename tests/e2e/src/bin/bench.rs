@@ -1396,6 +1396,7 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
         out.join("scenarios.json"),
         serde_json::to_string_pretty(&json!({"runs": json_runs}))? + "\n",
     )?;
+    write_turns(out, &[("vllm-emu", &runs)])?;
     println!("{md}");
     eprintln!("all scenarios in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
@@ -1430,6 +1431,21 @@ fn per_replica_table(
         }
     }
     Ok(md)
+}
+
+/// `turns.csv` in `out`: every request of every run, by engine.
+fn write_turns(
+    out: &std::path::Path,
+    engines: &[(&str, &[kvaffine_e2e::scenarios::Run])],
+) -> anyhow::Result<()> {
+    let mut csv = kvaffine_e2e::scenarios::TURNS_CSV_HEADER.to_owned();
+    for (engine, runs) in engines {
+        for run in runs.iter() {
+            csv.push_str(&run.turns_csv(engine));
+        }
+    }
+    std::fs::write(out.join("turns.csv"), csv)?;
+    Ok(())
 }
 
 /// The scenarios' table (markdown) and their figures (JSON).
@@ -1556,6 +1572,7 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
             &json!({"vllm": real_json, "emu": emu_json, "oracle_below_served": missed}),
         )? + "\n",
     )?;
+    write_turns(out, &[("vllm", &real), ("vllm-emu", &emulated)])?;
     println!("## real vLLM\n\n{real_md}\n## vllm-emu, same shapes\n\n{emu_md}");
     println!(
         "Requests vLLM served more of than the oracle said when asked: {missed} of {requests} ({}).",

@@ -303,6 +303,37 @@ fn a_salt_first_sent_around_the_gateway_is_routed_warm() {
     }
 }
 
+/// One of two active-active daemons killed: Envoy takes it out of rotation within a few
+/// health-check intervals, and every lookup after that is answered by the other. (Envoy
+/// checks a cluster that has carried no routed request only every `no_traffic_interval`,
+/// 60 s unless set, and lookups are callouts: the dead daemon had kept every other lookup
+/// unanswered for a minute.)
+#[test]
+fn a_dead_daemon_leaves_rotation_and_the_other_answers_every_lookup() {
+    let mut stack = Stack::start(StackConfig {
+        daemons: 2,
+        ..StackConfig::default()
+    })
+    .unwrap();
+    let body = |seed: usize| json!({"messages": long_history(seed), "max_tokens": 2});
+    stack.kill_daemon();
+    poll(
+        "the dead daemon out of rotation",
+        Duration::from_secs(10),
+        || !stack.daemon_in_rotation(),
+    )
+    .unwrap();
+    for seed in 0..10 {
+        let reply = chat(&stack, &body(500 + seed));
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_ne!(
+            reply.header("x-kvaffine-reason"),
+            Some("index-unavailable"),
+            "lookup {seed} after the daemon left rotation"
+        );
+    }
+}
+
 #[test]
 fn gets_pass_through_and_spoofed_destinations_never_leave_the_pool() {
     let stack = Stack::start(StackConfig::default()).unwrap();

@@ -593,38 +593,34 @@ impl OracleProcess {
     /// [`VllmProcess::reset_prefix_cache`], the replicas' streams have said so, so a daemon
     /// that replays them now starts from the same empty caches.
     pub fn wait_empty(&self) -> anyhow::Result<()> {
-        crate::poll(
-            "the oracle to see every replica's cache cleared",
-            Duration::from_secs(10),
-            || {
-                let (status, text) = http(&self.addr, "GET", "/ready", "");
-                status == 200
-                    && serde_json::from_str::<serde_json::Value>(&text)
-                        .ok()
-                        .and_then(|v| {
-                            v.as_object().map(|replicas| {
-                                replicas.values().all(|r| r["blocks"].as_u64() == Some(0))
-                            })
-                        })
-                        .unwrap_or(false)
-            },
-        )
+        self.wait_until("the oracle to see every replica's cache cleared", |ready| {
+            ready
+                .as_object()
+                .is_some_and(|replicas| replicas.values().all(|r| r["blocks"] == 0))
+        })
     }
 
     /// Waits until it has applied `replica`'s batch `seq` (a marker the caller read off
     /// the replica's own stream).
     pub fn wait_applied(&self, replica: &VllmProcess, seq: u64) -> anyhow::Result<()> {
-        crate::poll(
-            "the oracle to apply the replica's events",
-            Duration::from_secs(10),
-            || {
-                let (_, text) = http(&self.addr, "GET", "/ready", "");
-                serde_json::from_str::<serde_json::Value>(&text)
-                    .ok()
-                    .and_then(|v| v[replica.http.as_str()]["last_seq"].as_u64())
-                    .is_some_and(|last| last >= seq)
-            },
-        )
+        self.wait_until("the oracle to apply the replica's events", |ready| {
+            ready[replica.http.as_str()]["last_seq"]
+                .as_u64()
+                .is_some_and(|last| last >= seq)
+        })
+    }
+
+    /// Polls its `/ready` (each replica's `last_seq` and `blocks`) until `done` holds.
+    fn wait_until(
+        &self,
+        what: &str,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> anyhow::Result<()> {
+        crate::poll(what, Duration::from_secs(10), || {
+            let (status, text) = http(&self.addr, "GET", "/ready", "");
+            status == 200
+                && serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|ready| done(&ready))
+        })
     }
 
     /// The tokens it says `replica` would serve from cache for `token_ids` under `salt`.

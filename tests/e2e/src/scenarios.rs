@@ -281,19 +281,36 @@ async fn sessions_open_loop(
     mean_gap: Duration,
     seed: u64,
 ) -> Vec<Session> {
+    sessions_open_loop_counted(ctx, sessions, turns, mean_gap, seed, None).await
+}
+
+/// [`sessions_open_loop`], counting every answered turn into `answered` (the fault
+/// scenarios inject their fault at a point of the workload, not of the clock: a fixed
+/// delay from the spawn once landed before the first request had been answered).
+async fn sessions_open_loop_counted(
+    ctx: &Ctx,
+    sessions: Vec<Session>,
+    turns: usize,
+    mean_gap: Duration,
+    seed: u64,
+    answered: Option<Arc<tokio::sync::watch::Sender<usize>>>,
+) -> Vec<Session> {
     let mut rng = XorShift64::from_state(seed | 1);
     let mut handles = Vec::new();
     let mut at = Duration::ZERO;
     let start = tokio::time::Instant::now();
     for (i, mut session) in sessions.into_iter().enumerate() {
         at += exponential(&mut rng, mean_gap);
-        let ctx = ctx.clone();
+        let (ctx, answered) = (ctx.clone(), answered.clone());
         handles.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + at).await;
             for step in 0..turns {
                 session
                     .step(&ctx, &format!("step {step} of session {i}"))
                     .await;
+                if let Some(answered) = &answered {
+                    answered.send_modify(|n| *n += 1);
+                }
             }
             session
         }));
@@ -307,14 +324,17 @@ async fn sessions_open_loop(
     out
 }
 
-/// When the fault scenarios inject their fault.
-const FAULT_AT: Duration = Duration::from_millis(1500);
+/// How many of the fault scenarios' 72 turns are answered before the fault: a third, so
+/// that every session has opened and two thirds of the turns come after it.
+const FAULT_AFTER_TURNS: usize = 24;
 
 /// The workload the fault scenarios run through their fault: twelve sessions of six turns.
+/// `answered` counts the turns answered so far.
 fn faulted_sessions(
     ctx: &Ctx,
     seed: u64,
     arrivals: u64,
+    answered: Arc<tokio::sync::watch::Sender<usize>>,
 ) -> impl Future<Output = Vec<Session>> + Send + 'static {
     let sessions: Vec<Session> = (0..12)
         .map(|i| {
@@ -326,7 +346,10 @@ fn faulted_sessions(
         })
         .collect();
     let inner = ctx.clone();
-    async move { sessions_open_loop(&inner, sessions, 6, Duration::from_millis(80), arrivals).await }
+    async move {
+        let gap = Duration::from_millis(80);
+        sessions_open_loop_counted(&inner, sessions, 6, gap, arrivals, Some(answered)).await
+    }
 }
 
 /// 32 agent sessions with tool calls, four turns each, Poisson arrivals 60 ms apart: texts
@@ -788,8 +811,9 @@ async fn workload(
             results
         }
         "replica-restart" => {
-            let run = tokio::spawn(faulted_sessions(ctx, 500, 11));
-            tokio::time::sleep(FAULT_AT).await;
+            let (answered, progress) = tokio::sync::watch::channel(0);
+            let run = tokio::spawn(faulted_sessions(ctx, 500, 11, Arc::new(answered)));
+            fault_point(progress).await?;
             let replica = stack
                 .replicas
                 .first_mut()
@@ -798,8 +822,9 @@ async fn workload(
             collect(&run.await.unwrap_or_default())
         }
         "daemon-failover" => {
-            let run = tokio::spawn(faulted_sessions(ctx, 600, 13));
-            tokio::time::sleep(FAULT_AT).await;
+            let (answered, progress) = tokio::sync::watch::channel(0);
+            let run = tokio::spawn(faulted_sessions(ctx, 600, 13, Arc::new(answered)));
+            fault_point(progress).await?;
             tokio::task::block_in_place(|| stack.kill_daemon());
             collect(&run.await.unwrap_or_default())
         }
@@ -819,6 +844,15 @@ async fn workload(
         }
         other => anyhow::bail!("unknown scenario {other}"),
     })
+}
+
+/// Waits until [`FAULT_AFTER_TURNS`] turns of a fault scenario have been answered.
+async fn fault_point(mut progress: tokio::sync::watch::Receiver<usize>) -> anyhow::Result<()> {
+    progress
+        .wait_for(|answered| *answered >= FAULT_AFTER_TURNS)
+        .await
+        .map(|_| ())
+        .context("the workload ended before its fault was due")
 }
 
 /// The KV events' delay in [`daemon_restart`]: longer than a daemon takes to restart and

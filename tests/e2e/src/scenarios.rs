@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde_json::{Map, Value, json};
+use tokio::sync::watch;
 use vllm_emu::rng::XorShift64;
 
 use crate::session::{Oracle, Session, TurnResult, turn};
@@ -273,27 +274,15 @@ async fn sessions_interleaved(ctx: &Ctx, sessions: &mut [Session], rounds: usize
     }
 }
 
-/// Runs sessions concurrently, each starting after an open-loop (Poisson) arrival.
+/// Runs sessions concurrently, each starting after an open-loop (Poisson) arrival, and
+/// counts every answered turn into `answered` when given.
 async fn sessions_open_loop(
     ctx: &Ctx,
     sessions: Vec<Session>,
     turns: usize,
     mean_gap: Duration,
     seed: u64,
-) -> Vec<Session> {
-    sessions_open_loop_counted(ctx, sessions, turns, mean_gap, seed, None).await
-}
-
-/// [`sessions_open_loop`], counting every answered turn into `answered` (the fault
-/// scenarios inject their fault at a point of the workload, not of the clock: a fixed
-/// delay from the spawn once landed before the first request had been answered).
-async fn sessions_open_loop_counted(
-    ctx: &Ctx,
-    sessions: Vec<Session>,
-    turns: usize,
-    mean_gap: Duration,
-    seed: u64,
-    answered: Option<Arc<tokio::sync::watch::Sender<usize>>>,
+    answered: Option<watch::Sender<usize>>,
 ) -> Vec<Session> {
     let mut rng = XorShift64::from_state(seed | 1);
     let mut handles = Vec::new();
@@ -325,17 +314,19 @@ async fn sessions_open_loop_counted(
 }
 
 /// How many of the fault scenarios' 72 turns are answered before the fault: a third, so
-/// that every session has opened and two thirds of the turns come after it.
+/// that every session has opened and two thirds of the turns come after it. The point is
+/// one of the workload, not of the clock: a fixed 1.5 s after the start once killed the
+/// daemon before its first lookup (vllm-emu, traced with a throwaway patch).
 const FAULT_AFTER_TURNS: usize = 24;
 
-/// The workload the fault scenarios run through their fault: twelve sessions of six turns.
-/// `answered` counts the turns answered so far.
-fn faulted_sessions(
+/// The fault scenarios' workload, twelve sessions of six turns, with `inject` called once
+/// [`FAULT_AFTER_TURNS`] of its turns are answered.
+async fn faulted_sessions(
     ctx: &Ctx,
     seed: u64,
     arrivals: u64,
-    answered: Arc<tokio::sync::watch::Sender<usize>>,
-) -> impl Future<Output = Vec<Session>> + Send + 'static {
+    inject: impl FnOnce(),
+) -> anyhow::Result<Vec<TurnResult>> {
     let sessions: Vec<Session> = (0..12)
         .map(|i| {
             Session::new(
@@ -345,11 +336,18 @@ fn faulted_sessions(
             )
         })
         .collect();
+    let (answered, mut progress) = watch::channel(0);
     let inner = ctx.clone();
-    async move {
-        let gap = Duration::from_millis(80);
-        sessions_open_loop_counted(&inner, sessions, 6, gap, arrivals, Some(answered)).await
-    }
+    let gap = Duration::from_millis(80);
+    let run = tokio::spawn(async move {
+        sessions_open_loop(&inner, sessions, 6, gap, arrivals, Some(answered)).await
+    });
+    progress
+        .wait_for(|answered| *answered >= FAULT_AFTER_TURNS)
+        .await
+        .context("the workload ended before its fault was due")?;
+    tokio::task::block_in_place(inject);
+    Ok(collect(&run.await.context("the workload's task failed")?))
 }
 
 /// 32 agent sessions with tool calls, four turns each, Poisson arrivals 60 ms apart: texts
@@ -364,7 +362,7 @@ async fn agent_sessions(ctx: &Ctx, tag: &str, first_seed: u64, arrivals: u64) ->
             )
         })
         .collect();
-    collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), arrivals).await)
+    collect(&sessions_open_loop(ctx, sessions, 4, Duration::from_millis(60), arrivals, None).await)
 }
 
 fn collect(sessions: &[Session]) -> Vec<TurnResult> {
@@ -687,7 +685,7 @@ async fn workload(
                     Session::new(SYSTEM, &format!("{doc}\nTask {i}: review the document."), fields)
                 })
                 .collect();
-            collect(&sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 3).await)
+            collect(&sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 3, None).await)
         }
         "concurrency" => agent_sessions(ctx, "c", 100, 7).await,
         // The same workload (other sessions) on a fleet whose first replica prefills and
@@ -811,23 +809,13 @@ async fn workload(
             results
         }
         "replica-restart" => {
-            let (answered, progress) = tokio::sync::watch::channel(0);
-            let run = tokio::spawn(faulted_sessions(ctx, 500, 11, Arc::new(answered)));
-            fault_point(progress).await?;
             let replica = stack
                 .replicas
                 .first_mut()
                 .ok_or_else(|| anyhow::anyhow!("replica-restart runs on emulated replicas"))?;
-            tokio::task::block_in_place(|| replica.restart());
-            collect(&run.await.unwrap_or_default())
+            faulted_sessions(ctx, 500, 11, || replica.restart()).await?
         }
-        "daemon-failover" => {
-            let (answered, progress) = tokio::sync::watch::channel(0);
-            let run = tokio::spawn(faulted_sessions(ctx, 600, 13, Arc::new(answered)));
-            fault_point(progress).await?;
-            tokio::task::block_in_place(|| stack.kill_daemon());
-            collect(&run.await.unwrap_or_default())
-        }
+        "daemon-failover" => faulted_sessions(ctx, 600, 13, || stack.kill_daemon()).await?,
         "hot-system-prompt" => {
             // Every session opens with the same 2.5k-token system prompt (one tenant).
             let system = text(2500, 700);
@@ -840,19 +828,12 @@ async fn workload(
                     )
                 })
                 .collect();
-            collect(&sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 17).await)
+            collect(
+                &sessions_open_loop(ctx, sessions, 3, Duration::from_millis(40), 17, None).await,
+            )
         }
         other => anyhow::bail!("unknown scenario {other}"),
     })
-}
-
-/// Waits until [`FAULT_AFTER_TURNS`] turns of a fault scenario have been answered.
-async fn fault_point(mut progress: tokio::sync::watch::Receiver<usize>) -> anyhow::Result<()> {
-    progress
-        .wait_for(|answered| *answered >= FAULT_AFTER_TURNS)
-        .await
-        .map(|_| ())
-        .context("the workload ended before its fault was due")
 }
 
 /// The KV events' delay in [`daemon_restart`]: longer than a daemon takes to restart and

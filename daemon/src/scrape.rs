@@ -181,7 +181,7 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                 }
                 status.load = Some(scrape.load);
                 if let Some(prefill) = scrape.prefill {
-                    status.speed.observe(prefill);
+                    status.speed.observe(prefill, std::time::Instant::now());
                 }
                 if let Some(hits) = scrape.prefix_cache_hits {
                     // From the first scrape on; a counter that went back is a restart.

@@ -12,6 +12,8 @@
 //! set by hand: with no flag given, the ranking drains and weighs each replica's work at
 //! what it measured.
 
+use std::time::{Duration, Instant};
+
 use kvaffine_core::PrefillSpeed;
 use serde::Serialize;
 
@@ -44,6 +46,17 @@ const INSTANT_SECONDS_PER_REQUEST: f64 = 0.001;
 /// no sample to correct it. A real change of speed is still followed, by up to this
 /// factor a sample.
 const MAX_SAMPLE_SURPRISE: f64 = 8.0;
+
+/// A replica's own figures rank it while a request finished there this recently. After
+/// that it ranks at the fleet's median, and the next request that finishes there starts
+/// its figures afresh: it ranks at the median again until they are evidence enough. A
+/// figure is only corrected by requests the replica serves, and one that ranks it slower
+/// sends new prompts elsewhere: on a real vLLM pair, a replica measured a quarter slower
+/// than its peer while the host was loaded (after a `SIGSTOP`) got not one of four
+/// clients' new conversations in the next 120 s. A replica that is really slower is
+/// measured so again by its next few requests: the fleet pays a few requests at peer
+/// speed a half-minute.
+pub const CURRENT_FOR: Duration = Duration::from_secs(30);
 
 /// Speeds are kept within these bounds: an instant replica (the emulator at time scale
 /// 0 reports no prefill time) drains its queue at once, not at infinity.
@@ -160,6 +173,11 @@ pub struct SpeedLearner {
     /// 25,575 and 205 tokens, so each such pick counted 370 tokens of the 575 it costs and
     /// the ranking drained that replica's queue faster than the replica did.
     per_request: Option<f64>,
+    /// When the last sample was taken.
+    sampled_at: Option<Instant>,
+    /// The figures from before the last gap of [`CURRENT_FOR`], until the samples since
+    /// are evidence enough: what the fleet's median counts for the replica meanwhile.
+    before_gap: Option<PrefillSpeed>,
 }
 
 impl Default for SpeedLearner {
@@ -180,13 +198,16 @@ impl SpeedLearner {
             requests: 0.0,
             tokens: 0.0,
             per_request: None,
+            sampled_at: None,
+            before_gap: None,
         }
     }
 
     /// Takes one scrape's counters. A counter that went back is a restarted replica: its
     /// figures so far stay (the same model on the same hardware), the new baseline is
-    /// taken from here. A value that is not a finite number teaches nothing.
-    pub fn observe(&mut self, now: PrefillCounters) {
+    /// taken from here. A value that is not a finite number teaches nothing. `at` is when
+    /// the scrape was read.
+    pub fn observe(&mut self, now: PrefillCounters, at: Instant) {
         let finite = [
             now.requests,
             now.seconds,
@@ -208,6 +229,19 @@ impl SpeedLearner {
             return;
         }
         let work = k + self.cached_token_cost * cached;
+        if self
+            .sampled_at
+            .is_some_and(|last| at.saturating_duration_since(last) >= CURRENT_FOR)
+        {
+            // The first sample after a gap: what came before describes the replica as it
+            // was (a replica replaced by a faster one at the same address kept a slow
+            // one's fixed cost, and its fit made up for it with a speed 15% too high).
+            self.before_gap = self.measured();
+            self.sums = Sums::default();
+            self.requests = 0.0;
+            self.tokens = 0.0;
+            self.per_request = None;
+        }
         let t = match self.expected_seconds(n, work) {
             Some(expected) if expected > 0.0 => t.clamp(
                 expected / MAX_SAMPLE_SURPRISE,
@@ -217,12 +251,16 @@ impl SpeedLearner {
         };
         self.sums.decay_and_add(n, work, t);
         self.samples += 1;
+        self.sampled_at = Some(at);
         self.requests += n;
         self.tokens += work;
         if let Some((per_request, _, true)) =
             self.sums.fit(self.requests, self.tokens, self.per_request)
         {
             self.per_request = Some(per_request);
+        }
+        if self.fitted().is_some() {
+            self.before_gap = None;
         }
     }
 
@@ -234,8 +272,14 @@ impl SpeedLearner {
         Some(requests * per_request + work * per_token)
     }
 
-    /// The replica's own speed, once there is enough evidence.
+    /// The replica's own speed, once there is enough evidence (since the last gap of
+    /// [`CURRENT_FOR`], else from before it).
     pub fn measured(&self) -> Option<PrefillSpeed> {
+        self.fitted().or(self.before_gap)
+    }
+
+    /// The fit of the samples since the last gap, once they are enough evidence.
+    fn fitted(&self) -> Option<PrefillSpeed> {
         let (per_request, per_token, _) =
             self.sums
                 .fit(self.requests, self.tokens, self.per_request)?;
@@ -254,6 +298,26 @@ impl SpeedLearner {
     pub fn samples(&self) -> u64 {
         self.samples
     }
+
+    /// Whether a request finished within [`CURRENT_FOR`] before `now` and the samples
+    /// since the last gap are evidence enough.
+    pub fn is_current(&self, now: Instant) -> bool {
+        self.sampled_at
+            .is_some_and(|at| now.saturating_duration_since(at) < CURRENT_FOR)
+            && self.fitted().is_some()
+    }
+}
+
+/// What [`speeds`] knows of one replica.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Measurement {
+    /// Its own figures (or a peer daemon's of it), once there is enough evidence.
+    pub speed: Option<PrefillSpeed>,
+    /// Scrapes that saw its requests finish.
+    pub samples: u64,
+    /// Whether the figures are [current](SpeedLearner::is_current) (a peer's count as
+    /// current until this daemon measures the replica itself).
+    pub current: bool,
 }
 
 /// Where a replica's speed comes from.
@@ -262,8 +326,8 @@ impl SpeedLearner {
 pub enum SpeedSource {
     /// Its own metrics.
     Measured,
-    /// The median of the measured replicas: it is not measured yet, or measured within
-    /// 10% of that median.
+    /// The median of the replicas measured lately: it is not measured yet, measured
+    /// within 10% of that median, or no request finished there lately ([`CURRENT_FOR`]).
     Fleet,
     /// What a peer daemon measured of it, taken when this daemon started: it has not
     /// measured the replica itself yet.
@@ -333,11 +397,12 @@ pub struct SpeedFlags {
 const SAME_SPEED: f64 = 0.1;
 
 /// Every replica's speed, from what each measured: its own figures once it has enough
-/// evidence and they stand apart from the fleet's median, the median where they do not
-/// or where it has no evidence yet (a replica that joins a measured fleet is ranked as
-/// its peers until it has served some requests, so it is not starved), else the
-/// default; a flag overrides its figure everywhere.
-pub fn speeds(measured: &[(Option<PrefillSpeed>, u64)], flags: SpeedFlags) -> Vec<SpeedView> {
+/// evidence, they are current and they stand apart from the fleet's median; the median
+/// where they do not, or where it has no evidence yet (a replica that joins a measured
+/// fleet is ranked as its peers until it has served some requests, so it is not starved);
+/// else the default. The median is of the current figures (of all, when none is). A flag
+/// overrides its figure everywhere.
+pub fn speeds(measured: &[Measurement], flags: SpeedFlags) -> Vec<SpeedView> {
     let median = |mut values: Vec<f64>| -> Option<f64> {
         values.sort_by(f64::total_cmp);
         let mid = values.len() / 2;
@@ -347,7 +412,12 @@ pub fn speeds(measured: &[(Option<PrefillSpeed>, u64)], flags: SpeedFlags) -> Ve
             _ => Some((values.get(mid - 1)? + values.get(mid)?) / 2.0),
         }
     };
-    let known: Vec<PrefillSpeed> = measured.iter().filter_map(|(m, _)| *m).collect();
+    let any_current = measured.iter().any(|m| m.current && m.speed.is_some());
+    let known: Vec<PrefillSpeed> = measured
+        .iter()
+        .filter(|m| m.current || !any_current)
+        .filter_map(|m| m.speed)
+        .collect();
     let fleet = median(known.iter().map(|s| s.tokens_per_second).collect()).and_then(|rate| {
         let overhead_seconds = median(
             known
@@ -362,45 +432,53 @@ pub fn speeds(measured: &[(Option<PrefillSpeed>, u64)], flags: SpeedFlags) -> Ve
     });
     measured
         .iter()
-        .map(|&(own, samples)| {
-            let (speed, source) = match (own, fleet) {
-                (Some(own), Some(fleet))
-                    if (own.tokens_per_second / fleet.tokens_per_second - 1.0).abs()
-                        <= SAME_SPEED =>
-                {
-                    (fleet, SpeedSource::Fleet)
+        .map(
+            |&Measurement {
+                 speed: own,
+                 samples,
+                 current,
+             }| {
+                let (speed, source) = match (own, fleet) {
+                    (Some(own), Some(fleet))
+                        if !current
+                            || (own.tokens_per_second / fleet.tokens_per_second - 1.0).abs()
+                                <= SAME_SPEED =>
+                    {
+                        (fleet, SpeedSource::Fleet)
+                    }
+                    (Some(own), _) => (own, SpeedSource::Measured),
+                    (None, Some(fleet)) => (fleet, SpeedSource::Fleet),
+                    (None, None) => (PrefillSpeed::DEFAULT, SpeedSource::Default),
+                };
+                let tokens_per_second = flags.tokens_per_second.unwrap_or(speed.tokens_per_second);
+                let overhead_tokens = match (flags.overhead_tokens, flags.tokens_per_second) {
+                    (Some(tokens), _) => tokens,
+                    // A fixed rate keeps a measured overhead in seconds; with nothing measured
+                    // the overhead stays the default's 200 tokens, as it was with that flag.
+                    (None, Some(rate)) if source != SpeedSource::Default => {
+                        speed.overhead_tokens / speed.tokens_per_second * rate
+                    }
+                    (None, _) => speed.overhead_tokens,
+                };
+                let flagged = flags.tokens_per_second.is_some() && flags.overhead_tokens.is_some();
+                SpeedView {
+                    tokens_per_second,
+                    overhead_ms: overhead_tokens / tokens_per_second * 1e3,
+                    source: if flagged { SpeedSource::Flags } else { source },
+                    measured_tokens_per_second: own.map(|s| s.tokens_per_second),
+                    measured_overhead_ms: own
+                        .map(|s| s.overhead_tokens / s.tokens_per_second * 1e3),
+                    samples,
                 }
-                (Some(own), _) => (own, SpeedSource::Measured),
-                (None, Some(fleet)) => (fleet, SpeedSource::Fleet),
-                (None, None) => (PrefillSpeed::DEFAULT, SpeedSource::Default),
-            };
-            let tokens_per_second = flags.tokens_per_second.unwrap_or(speed.tokens_per_second);
-            let overhead_tokens = match (flags.overhead_tokens, flags.tokens_per_second) {
-                (Some(tokens), _) => tokens,
-                // A fixed rate keeps a measured overhead in seconds; with nothing measured
-                // the overhead stays the default's 200 tokens, as it was with that flag.
-                (None, Some(rate)) if source != SpeedSource::Default => {
-                    speed.overhead_tokens / speed.tokens_per_second * rate
-                }
-                (None, _) => speed.overhead_tokens,
-            };
-            let flagged = flags.tokens_per_second.is_some() && flags.overhead_tokens.is_some();
-            SpeedView {
-                tokens_per_second,
-                overhead_ms: overhead_tokens / tokens_per_second * 1e3,
-                source: if flagged { SpeedSource::Flags } else { source },
-                measured_tokens_per_second: own.map(|s| s.tokens_per_second),
-                measured_overhead_ms: own.map(|s| s.overhead_tokens / s.tokens_per_second * 1e3),
-                samples,
-            }
-        })
+            },
+        )
         .collect()
 }
 
 /// How a replica is ranked before anything is measured anywhere: the default, or the
 /// operator's flags.
 pub fn unmeasured(flags: SpeedFlags) -> SpeedView {
-    speeds(&[(None, 0)], flags)
+    speeds(&[Measurement::default()], flags)
         .first()
         .copied()
         .unwrap_or_default()
@@ -419,16 +497,25 @@ mod tests {
         }
     }
 
+    /// A replica's figures with a request finished there lately.
+    fn current(speed: Option<PrefillSpeed>, samples: u64) -> Measurement {
+        Measurement {
+            speed,
+            samples,
+            current: true,
+        }
+    }
+
     /// Feeds scrapes of requests that each take `overhead + tokens / rate`.
     fn feed(learner: &mut SpeedLearner, sizes: &[(f64, f64)], overhead: f64, rate: f64) {
         let mut total = learner.last.unwrap_or_default();
-        learner.observe(total);
+        learner.observe(total, Instant::now());
         for &(n, tokens) in sizes {
             total.requests += n;
             total.computed_tokens += n * tokens;
             total.prompt_tokens += n * tokens;
             total.seconds += n * (overhead + tokens / rate);
-            learner.observe(total);
+            learner.observe(total, Instant::now());
         }
     }
 
@@ -486,7 +573,7 @@ mod tests {
         stalled.computed_tokens += 1000.0;
         stalled.prompt_tokens += 1000.0;
         stalled.seconds += 80.0;
-        learner.observe(stalled);
+        learner.observe(stalled, Instant::now());
         let after_stall = learner.measured().unwrap().tokens_per_second;
         assert!(after_stall > 4000.0 / 2.0, "{after_stall}");
         // The replica really became ten times slower: followed within 10%.
@@ -502,7 +589,7 @@ mod tests {
         // a cached token at a tenth of the cost.
         let mut learner = SpeedLearner::new(0.1);
         let mut total = PrefillCounters::default();
-        learner.observe(total);
+        learner.observe(total, Instant::now());
         for (computed, prompt) in [
             (200.0, 6000.0),
             (2000.0, 2000.0),
@@ -513,7 +600,7 @@ mod tests {
             total.computed_tokens += computed;
             total.prompt_tokens += prompt;
             total.seconds += 0.04 + (computed + 0.1 * (prompt - computed)) / 10_000.0;
-            learner.observe(total);
+            learner.observe(total, Instant::now());
         }
         let speed = learner.measured().unwrap();
         assert!(
@@ -530,9 +617,9 @@ mod tests {
         let before = learner.measured();
         let mut bad = learner.last.unwrap();
         bad.seconds = f64::NAN;
-        learner.observe(bad);
+        learner.observe(bad, Instant::now());
         bad.seconds = f64::INFINITY;
-        learner.observe(bad);
+        learner.observe(bad, Instant::now());
         assert_eq!(learner.measured(), before);
         assert!(before.is_some_and(|s| s.tokens_per_second.is_finite()));
     }
@@ -550,22 +637,22 @@ mod tests {
     #[test]
     fn too_little_evidence_measures_nothing() {
         let mut learner = SpeedLearner::default();
-        learner.observe(counters(0.0, 0.0, 0.0));
+        learner.observe(counters(0.0, 0.0, 0.0), Instant::now());
         assert_eq!(learner.measured(), None);
         // Two probes of a few tokens are no measure of a replica that takes time.
-        learner.observe(counters(1.0, 0.04, 10.0));
-        learner.observe(counters(2.0, 0.08, 20.0));
+        learner.observe(counters(1.0, 0.04, 10.0), Instant::now());
+        learner.observe(counters(2.0, 0.08, 20.0), Instant::now());
         assert_eq!(learner.measured(), None);
-        learner.observe(counters(3.0, 0.5, 4020.0));
+        learner.observe(counters(3.0, 0.5, 4020.0), Instant::now());
         assert!(learner.measured().is_some());
     }
 
     #[test]
     fn two_requests_in_two_scrapes_are_evidence_enough() {
         let mut learner = SpeedLearner::default();
-        learner.observe(counters(0.0, 0.0, 0.0));
-        learner.observe(counters(1.0, 0.02, 25.0));
-        learner.observe(counters(2.0, 0.5, 2125.0));
+        learner.observe(counters(0.0, 0.0, 0.0), Instant::now());
+        learner.observe(counters(1.0, 0.02, 25.0), Instant::now());
+        learner.observe(counters(2.0, 0.5, 2125.0), Instant::now());
         assert!(learner.measured().is_some());
     }
 
@@ -574,10 +661,10 @@ mod tests {
         let mut learner = SpeedLearner::default();
         feed(&mut learner, &[(1.0, 4000.0); 3], 0.0, 4000.0);
         let before = learner.measured().unwrap();
-        learner.observe(counters(1.0, 0.01, 5.0));
+        learner.observe(counters(1.0, 0.01, 5.0), Instant::now());
         assert_eq!(learner.measured(), Some(before));
         // The first sample after the restart counts from the new baseline.
-        learner.observe(counters(2.0, 1.01, 4005.0));
+        learner.observe(counters(2.0, 1.01, 4005.0), Instant::now());
         assert_eq!(learner.samples(), 4);
     }
 
@@ -593,13 +680,13 @@ mod tests {
         let noisy = |jitter: f64| {
             let mut learner = SpeedLearner::default();
             let mut total = PrefillCounters::default();
-            learner.observe(total);
+            learner.observe(total, Instant::now());
             for (i, tokens) in [64.0, 3000.0, 128.0, 2000.0].into_iter().enumerate() {
                 total.requests += 1.0;
                 total.computed_tokens += tokens;
                 total.prompt_tokens += tokens;
                 total.seconds += 20e-6 + jitter * (i % 2) as f64;
-                learner.observe(total);
+                learner.observe(total, Instant::now());
             }
             learner.measured().unwrap()
         };
@@ -615,7 +702,11 @@ mod tests {
         };
         let (fast, slow) = (speed(20_000.0, 20.0), speed(10_000.0, 40.0));
         let views = speeds(
-            &[(Some(fast), 9), (None, 0), (Some(slow), 3)],
+            &[
+                current(Some(fast), 9),
+                current(None, 0),
+                current(Some(slow), 3),
+            ],
             SpeedFlags::default(),
         );
         let sources: Vec<SpeedSource> = views.iter().map(|v| v.source).collect();
@@ -634,14 +725,14 @@ mod tests {
         );
         assert_eq!(views[0].speed(), fast);
         assert_eq!(views[1].measured_tokens_per_second, None);
-        let views = speeds(&[(None, 0)], SpeedFlags::default());
+        let views = speeds(&[current(None, 0)], SpeedFlags::default());
         assert_eq!(views[0].source, SpeedSource::Default);
         assert_eq!(views[0].speed(), PrefillSpeed::DEFAULT);
         let flags = SpeedFlags {
             tokens_per_second: Some(40_000.0),
             overhead_tokens: None,
         };
-        let views = speeds(&[(Some(fast), 9)], flags);
+        let views = speeds(&[current(Some(fast), 9)], flags);
         assert_eq!(views[0].tokens_per_second, 40_000.0);
         assert_eq!(views[0].measured_tokens_per_second, Some(20_000.0));
         assert!(
@@ -653,7 +744,7 @@ mod tests {
             overhead_tokens: Some(200.0),
         };
         assert_eq!(
-            speeds(&[(Some(fast), 9)], flags)[0].source,
+            speeds(&[current(Some(fast), 9)], flags)[0].source,
             SpeedSource::Flags
         );
     }
@@ -665,7 +756,10 @@ mod tests {
             overhead_tokens: 0.0,
         };
         let views = speeds(
-            &[(Some(speed(41_000.0)), 5), (Some(speed(39_000.0)), 5)],
+            &[
+                current(Some(speed(41_000.0)), 5),
+                current(Some(speed(39_000.0)), 5),
+            ],
             SpeedFlags::default(),
         );
         assert_eq!(views[0].speed(), views[1].speed(), "{views:?}");
@@ -674,13 +768,75 @@ mod tests {
         // One replica of three at half speed stays apart; the other two rank equal.
         let views = speeds(
             &[
-                (Some(speed(20_000.0)), 5),
-                (Some(speed(10_000.0)), 5),
-                (Some(speed(20_500.0)), 5),
+                current(Some(speed(20_000.0)), 5),
+                current(Some(speed(10_000.0)), 5),
+                current(Some(speed(20_500.0)), 5),
             ],
             SpeedFlags::default(),
         );
         assert_eq!(views[1].tokens_per_second, 10_000.0);
         assert_eq!(views[0].speed(), views[2].speed());
+    }
+
+    #[test]
+    fn a_figure_no_request_refreshed_lately_ranks_at_the_fleets_current_median() {
+        let mut learner = SpeedLearner::default();
+        let start = Instant::now();
+        assert!(!learner.is_current(start), "nothing sampled yet");
+        learner.observe(counters(0.0, 0.0, 0.0), start);
+        assert!(!learner.is_current(start), "a baseline is no sample");
+        learner.observe(counters(1.0, 1.0, 1366.0), start);
+        learner.observe(counters(2.0, 2.0, 2732.0), start);
+        assert_eq!(learner.measured().unwrap().tokens_per_second, 1366.0);
+        let late = start + CURRENT_FOR;
+        assert!(learner.is_current(late - Duration::from_millis(1)));
+        assert!(!learner.is_current(late));
+        // After the gap the replica got 3x faster: its old figures stand until the new
+        // samples are evidence enough (two requests, 2,048 tokens), then only the new
+        // ones count.
+        learner.observe(counters(3.0, 2.375, 4232.0), late);
+        assert!(!learner.is_current(late));
+        assert_eq!(learner.measured().unwrap().tokens_per_second, 1366.0);
+        learner.observe(counters(4.0, 2.75, 5732.0), late);
+        assert!(learner.is_current(late));
+        assert_eq!(learner.measured().unwrap().tokens_per_second, 4000.0);
+        // The pair of the real-vLLM failure: one replica measured at 1,366 tokens/s while
+        // the host was loaded, then given nothing; its peer at 1,900 and serving.
+        let speed = |tokens_per_second: f64| PrefillSpeed {
+            tokens_per_second,
+            overhead_tokens: 0.0,
+        };
+        let (slow, fast) = (speed(1366.0), speed(1900.0));
+        let stale = Measurement {
+            speed: Some(slow),
+            samples: 18,
+            current: false,
+        };
+        let views = speeds(&[stale, current(Some(fast), 40)], SpeedFlags::default());
+        assert_eq!(views[0].speed(), fast, "{views:?}");
+        assert_eq!(views[0].source, SpeedSource::Fleet);
+        assert_eq!(views[0].measured_tokens_per_second, Some(1366.0));
+        assert_eq!(views[1].speed(), fast);
+        // Current again: apart again.
+        let views = speeds(
+            &[current(Some(slow), 19), current(Some(fast), 40)],
+            SpeedFlags::default(),
+        );
+        assert_eq!(views[0].speed(), slow);
+        assert_eq!(views[0].source, SpeedSource::Measured);
+        // A fleet where nothing finished lately ranks at the median of what it measured.
+        let idle = |speed| Measurement {
+            speed: Some(speed),
+            samples: 5,
+            current: false,
+        };
+        let views = speeds(
+            &[idle(slow), idle(fast), Measurement::default()],
+            SpeedFlags::default(),
+        );
+        assert!(
+            views.iter().all(|v| v.tokens_per_second == 1633.0),
+            "{views:?}"
+        );
     }
 }

@@ -21,7 +21,7 @@ use crate::index::{Depths, GPU, Group, MAX_SLOTS, PrefixIndex, Slot, longest_pre
 use crate::metrics::{EndpointLabel, Metrics};
 use crate::peers::{Held, PeerBooking};
 use crate::slots::SlotSet;
-use crate::speed::{SpeedLearner, SpeedSource, SpeedView};
+use crate::speed::{Measurement, SpeedLearner, SpeedSource, SpeedView};
 
 /// Everything the ingest threads, scrapers and HTTP handlers share.
 pub struct Daemon {
@@ -498,9 +498,9 @@ impl Daemon {
         self.speeds_stale.store(false, Ordering::Relaxed);
         *self.speeds_refreshed.lock() = Some(now);
         let endpoints = self.endpoints.read().clone();
-        // Replica -> (its measured speed, samples behind it, whether that speed is a
-        // peer's: it has measured nothing itself yet), from its best-sampled rank.
-        let mut replicas: Vec<(Option<PrefillSpeed>, u64, bool)> = Vec::new();
+        // Replica -> (what it measured, whether that speed is a peer's: it has measured
+        // nothing itself yet), from its best-sampled rank.
+        let mut replicas: Vec<(Measurement, bool)> = Vec::new();
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
         let mut peer_speeds = self.peer_speeds.lock();
@@ -514,12 +514,17 @@ impl Daemon {
             } else {
                 peer_speeds.get(&endpoint.spec.endpoint).copied()
             };
-            let replica = (own.or(peer), status.speed.samples(), peer.is_some());
+            let measurement = Measurement {
+                speed: own.or(peer),
+                samples: status.speed.samples(),
+                current: peer.is_some() || status.speed.is_current(now),
+            };
+            let replica = (measurement, peer.is_some());
             match places
                 .get(endpoint.spec.endpoint.as_str())
                 .and_then(|&i| replicas.get_mut(i))
             {
-                Some(known) if replica.1 > known.1 => *known = replica,
+                Some(known) if replica.0.samples > known.0.samples => *known = replica,
                 Some(_) => {}
                 None => {
                     places.insert(&endpoint.spec.endpoint, replicas.len());
@@ -528,17 +533,14 @@ impl Daemon {
             }
         }
         drop(peer_speeds);
-        let measured: Vec<(Option<PrefillSpeed>, u64)> = replicas
-            .iter()
-            .map(|&(speed, samples, _)| (speed, samples))
-            .collect();
+        let measured: Vec<Measurement> = replicas.iter().map(|&(m, _)| m).collect();
         let views = crate::speed::speeds(&measured, self.settings.speed_flags);
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
         for endpoint in endpoints.iter() {
             let Some((mut view, peer)) = places
                 .get(endpoint.spec.endpoint.as_str())
-                .and_then(|&i| Some((*views.get(i)?, replicas.get(i)?.2)))
+                .and_then(|&i| Some((*views.get(i)?, replicas.get(i)?.1)))
             else {
                 continue;
             };

@@ -1024,6 +1024,113 @@ fn predictions_are_compared_with_what_the_replicas_served() {
     assert!(metrics.contains("kvaffined_outcomes_total{endpoint=\"other\",result=\"exact\"} 1"));
 }
 
+/// A replica measured slow, then given no request for 30 s (its peer was faster), ranks
+/// at the fleet's median again and is measured afresh by the new prompts it then gets:
+/// here it was replaced by one as fast as its peer. Its old figures alone would have
+/// ranked it 3x slower for good, and an idle fleet sent every new prompt to the peer (a
+/// real vLLM replica measured slow while its host was loaded got no new conversation for
+/// 120 s).
+#[test]
+fn a_replica_measured_slow_is_measured_afresh_once_its_figures_are_old() {
+    use kvaffine_e2e::Upstream;
+    use std::time::Instant;
+    use vllm_emu::harness::EmuProcess;
+    let mut replicas: Vec<EmuProcess> = ["1.5", "0.5"]
+        .iter()
+        .map(|scale| EmuProcess::start(&["--block-size", "16", "--time-scale", scale]))
+        .collect();
+    let upstreams = replicas
+        .iter()
+        .map(|r| Upstream::with_events(r.endpoint_flag()))
+        .collect();
+    let stack = Stack::front(StackConfig::default(), upstreams).unwrap();
+    let prefill = |endpoint: &str| -> Value {
+        stack
+            .endpoint(endpoint)
+            .map(|e| e["prefill"].clone())
+            .unwrap_or(Value::Null)
+    };
+    let samples = |endpoint: &str| prefill(endpoint)["samples"].as_u64().unwrap_or(0);
+    // Six new prompts of three lengths straight to each replica, each scraped before the
+    // next.
+    for sent in 0..6 {
+        let words = 200 + (sent % 3) * 900;
+        let before: Vec<u64> = replicas.iter().map(|r| samples(&r.http)).collect();
+        for replica in &replicas {
+            let text: String = (0..words).map(|i| format!("m{sent}w{i} ")).collect();
+            let (status, reply) = replica.post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+            );
+            assert_eq!(status, 200, "{reply}");
+        }
+        poll(
+            "a scrape of every replica's finished request",
+            Duration::from_secs(10),
+            || {
+                replicas
+                    .iter()
+                    .zip(&before)
+                    .all(|(r, &before)| samples(&r.http) > before)
+            },
+        )
+        .unwrap();
+    }
+    let (slow, fast) = (replicas[0].http.clone(), replicas[1].http.clone());
+    let rate = |endpoint: &str, key: &str| prefill(endpoint)[key].as_f64().unwrap_or(0.0);
+    let was = prefill(&slow);
+    assert_eq!(was["source"], "measured", "{was}");
+    assert!(
+        rate(&slow, "tokens_per_second") < 0.5 * rate(&fast, "tokens_per_second"),
+        "{was} against {}",
+        prefill(&fast)
+    );
+    replicas[0].restart_with(&[("--time-scale", "0.5")]);
+    let restarted = Instant::now();
+    // New prompts one at a time through the gateway until the replaced replica is measured
+    // at its peer's speed (ranked at the fleet's median: within 10% of it).
+    let mut served: Vec<(f64, String)> = Vec::new();
+    for sent in 0.. {
+        let now = prefill(&slow);
+        let measured = now["measured_tokens_per_second"].as_f64().unwrap_or(0.0);
+        if now["source"] == "fleet" && measured > 0.8 * rate(&fast, "measured_tokens_per_second") {
+            break;
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(120),
+            "not measured afresh in 120 s: {now}; served: {served:?}"
+        );
+        let text: String = (0..800).map(|w| format!("f{sent}w{w} ")).collect();
+        let reply = chat(
+            &stack,
+            &json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        served.push((
+            restarted.elapsed().as_secs_f64(),
+            reply.header("x-served-by").unwrap_or("").to_owned(),
+        ));
+    }
+    let first = served
+        .iter()
+        .find(|(_, by)| *by == slow)
+        .map_or(0.0, |(at, _)| *at);
+    eprintln!(
+        "replaced replica: its first new prompt {first:.1} s after the restart, {} of {} prompts, measured afresh {}, its peer {}",
+        served.iter().filter(|(_, by)| *by == slow).count(),
+        served.len(),
+        prefill(&slow),
+        prefill(&fast)
+    );
+    // While its old figures were current (its last request finished before the restart,
+    // and they stand for 30 s), every new prompt went to its peer: they were what kept it
+    // from traffic.
+    let early: Vec<&(f64, String)> = served.iter().filter(|(at, _)| *at < 25.0).collect();
+    assert!(!early.is_empty(), "{served:?}");
+    assert!(early.iter().all(|(_, by)| *by == fast), "{served:?}");
+    assert!(served.iter().any(|(_, by)| *by == slow), "{served:?}");
+}
+
 /// kvaffined is told nothing of the replicas' speed: it learns each one's from the
 /// prefill histograms the replica exports, as vLLM does, and ranks with it.
 #[test]
@@ -1119,6 +1226,23 @@ fn kvaffined_learns_each_replicas_prefill_speed_from_its_metrics() {
             view["measured_tokens_per_second"]
         );
     }
+    // Idle, the fast replica finishes a new prompt first: it is ranked first every time,
+    // by load (nothing cached anywhere), while the slow one's figures are current (a
+    // request finished there less than 30 s ago).
+    for i in 0..4 {
+        let text: String = (0..800).map(|w| format!("n{i}w{w} ")).collect();
+        let reply = chat(
+            &stack,
+            &json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-kvaffine-reason"), Some("load"));
+        assert_eq!(
+            reply.header("x-served-by"),
+            Some(replicas[0].http.as_str()),
+            "request {i}"
+        );
+    }
     // A daemon that starts beside it (a gateway pod joining, or this one restarting, with
     // `--peer`) ranks each replica at what its peer measured before it has measured
     // anything itself, rather than at the default.
@@ -1161,21 +1285,5 @@ fn kvaffined_learns_each_replicas_prefill_speed_from_its_metrics() {
         near("tokens_per_second", "measured_tokens_per_second");
         near("overhead_ms", "measured_overhead_ms");
         assert!(theirs["measured_tokens_per_second"].is_null(), "{theirs}");
-    }
-    // Idle, the fast replica finishes a new prompt first: it is ranked first every time,
-    // by load (nothing cached anywhere).
-    for i in 0..4 {
-        let text: String = (0..800).map(|w| format!("n{i}w{w} ")).collect();
-        let reply = chat(
-            &stack,
-            &json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
-        );
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-kvaffine-reason"), Some("load"));
-        assert_eq!(
-            reply.header("x-served-by"),
-            Some(replicas[0].http.as_str()),
-            "request {i}"
-        );
     }
 }

@@ -230,6 +230,12 @@ impl EmuProcess {
 
     /// Kills it and starts a new process on the same ports: seq from 0, empty cache.
     pub fn restart(&mut self) {
+        self.restart_with(&[]);
+    }
+
+    /// [`restart`](Self::restart)s it with `changes` to its flags (`(flag, value)`, a flag
+    /// it was started with): a replica replaced by a different one at the same address.
+    pub fn restart_with(&mut self, changes: &[(&str, &str)]) {
         self.kill();
         let pin = |args: &mut Vec<String>, flag: &str, value: &str| {
             if let Some(i) = args.iter().position(|a| a == flag) {
@@ -244,6 +250,9 @@ impl EmuProcess {
             .map(|(_, p)| p.to_owned())
             .unwrap_or_default();
         let (events, replay) = (self.events.clone(), self.replay.clone());
+        for (flag, value) in changes {
+            pin(&mut self.args, flag, value);
+        }
         pin(&mut self.args, "--port", &port);
         pin(&mut self.args, "--kv-events-endpoint", &events);
         if let Some(replay) = replay {

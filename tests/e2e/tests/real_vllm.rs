@@ -120,10 +120,7 @@ fn with_pair(pair: Pair, check: Check) -> Result<(), Failed> {
 fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
-    // (name, pair, check, in the routing subset that older versions run in CI). The subset
-    // keeps what reads a version's interfaces (events, replay, metrics, hashing, eviction);
-    // a replica's restart and `up` in front of replicas exercise only kvaffine's side and
-    // run on the newest version alone, to keep CI's wall time in bounds.
+    // (name, pair, check, in the routing subset that older versions run in CI)
     let checks: [(&str, Pair, Check, bool); 26] = [
         (
             "events_and_replay_are_read_in_their_layout",
@@ -207,7 +204,7 @@ fn main() -> std::process::ExitCode {
             "a_restarted_replica_is_purged_and_followed",
             Pair::Cbor,
             replica_restart,
-            false,
+            true,
         ),
         (
             "a_replica_going_away_under_traffic_fails_no_unanswered_request",
@@ -231,7 +228,7 @@ fn main() -> std::process::ExitCode {
             "up_fronts_real_replicas_it_did_not_start",
             Pair::Cbor,
             up_with_upstreams,
-            false,
+            true,
         ),
         (
             "pickle_hashing_replicas_are_rekeyed_and_routed",

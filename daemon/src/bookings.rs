@@ -12,6 +12,7 @@ use std::time::Instant;
 use foldhash::fast::RandomState;
 use kvaffine_core::BlockKey;
 
+use crate::huge::HugeMap;
 use crate::slots::{HeldBy, Slot, SlotSet};
 
 struct Booking {
@@ -23,7 +24,7 @@ struct Booking {
 
 /// Key -> (slot, number of live bookings of that key on that slot).
 #[derive(Default)]
-struct Counted(HashMap<u64, Vec<(Slot, u32)>, RandomState>);
+struct Counted(HugeMap<u64, Vec<(Slot, u32)>>);
 
 impl Counted {
     fn add(&mut self, slot: Slot, key: u64) {

@@ -3,11 +3,11 @@
 //! Extension's approximate prefix scorer, it remembers the replicas earlier requests with
 //! the same text prefix were sent to, least recently used first out.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
-use foldhash::fast::RandomState;
 use kvaffine_core::approximate::TextKey;
 
+use crate::huge::HugeMap;
 use crate::slots::{Depths, HolderView, Holders, Slot, Spill, longest_prefixes_by};
 
 struct Entry {
@@ -17,7 +17,7 @@ struct Entry {
 
 /// Text-prefix keys and the slots they were routed to, bounded to `capacity` keys.
 pub struct History {
-    entries: HashMap<u64, Entry, RandomState>,
+    entries: HugeMap<u64, Entry>,
     /// The holder sets too large to pack in an entry.
     spill: Spill,
     /// Keys in the order they were last touched; stale positions are skipped on eviction.
@@ -30,7 +30,7 @@ impl History {
     /// An empty history of at most `capacity` keys.
     pub fn new(capacity: usize) -> Self {
         Self {
-            entries: HashMap::default(),
+            entries: HugeMap::default(),
             spill: Spill::default(),
             order: VecDeque::new(),
             stamp: 0,

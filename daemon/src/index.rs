@@ -11,10 +11,11 @@
 //! group's blocks apart, so each group has its own table; which group means what is the
 //! endpoint's [layout](crate::hybrid::Layout), read where the tables are asked.
 
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
-use foldhash::fast::RandomState;
+use hashbrown::hash_map::Entry;
+
+use crate::huge::HugeMap;
 
 use crate::salts::SaltIndex;
 pub use crate::slots::{Depths, MAX_SLOTS, Slot, longest_prefixes_by};
@@ -30,14 +31,14 @@ pub type Group = u32;
 /// One (tier, group)'s blocks.
 #[derive(Debug, Default)]
 struct Table {
-    holders: HashMap<u64, Holders, RandomState>,
+    holders: HugeMap<u64, Holders>,
     /// The holder sets too large to pack in the table.
     spill: Spill,
     /// Copies of a (block, slot) beyond the first. vLLM can hold the same content in
     /// several physical blocks (a hybrid miss recomputes a prefix it already holds; two
     /// requests can compute one block at once), each stored and evicted with its own event:
     /// the slot holds the block until the last copy goes.
-    extra_copies: HashMap<(u64, Slot), u32, RandomState>,
+    extra_copies: HugeMap<(u64, Slot), u32>,
 }
 
 /// What a store did: entries are (block, slot) pairs.
@@ -243,21 +244,14 @@ impl PrefixIndex {
         self.entries
     }
 
-    /// Bytes the tables hold: buckets times entry plus control byte (hashbrown's layout),
-    /// the copies side maps included.
+    /// Bytes the tables hold, the copies side maps and spilled holders included.
     pub fn table_bytes(&self) -> usize {
-        fn bytes<K, V, S>(map: &HashMap<K, V, S>) -> usize {
-            let buckets = if map.capacity() == 0 {
-                0
-            } else {
-                (map.capacity() * 8 / 7).next_power_of_two()
-            };
-            buckets * (std::mem::size_of::<(K, V)>() + 1)
-        }
         self.tiers
             .values()
             .flat_map(BTreeMap::values)
-            .map(|t| bytes(&t.holders) + bytes(&t.extra_copies) + t.spill.bytes())
+            .map(|t| {
+                t.holders.allocation_size() + t.extra_copies.allocation_size() + t.spill.bytes()
+            })
             .sum()
     }
 }

@@ -14,6 +14,7 @@ pub mod demand;
 pub mod discovery;
 pub mod history;
 pub mod http;
+pub mod huge;
 pub mod hybrid;
 pub mod index;
 pub mod ingest;

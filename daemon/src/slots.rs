@@ -485,6 +485,11 @@ pub trait HeldBy {
     /// Loads what [`retain`](Self::retain) will read from memory, so that reads for
     /// several keys can be under way at once.
     fn touch(&self) {}
+    /// Whether `other` is known to hold exactly the slots this holds (false when unsure):
+    /// a prefix's blocks cached by the same replicas share one interned set.
+    fn same_as(&self, _other: &Self) -> bool {
+        false
+    }
 }
 
 /// Keeps the slots of `live` that are `held`, telling `dropped` of each other one; order
@@ -538,6 +543,10 @@ impl HeldBy for HolderView<'_> {
             }
             Kind::Mask | Kind::Inline => {}
         }
+    }
+
+    fn same_as(&self, other: &Self) -> bool {
+        self.holders == other.holders && std::ptr::eq(self.spill, other.spill)
     }
 
     /// The record or bitmap is found once for every slot tested.
@@ -713,10 +722,15 @@ pub fn longest_prefixes_by<H: HeldBy>(
                 break;
             }
             batch.iter().for_each(H::touch);
-            for held in &batch {
-                held.retain(&mut live, |slot| depths.set(slot.index(), depth));
-                if live.is_empty() {
-                    return depths;
+            for (i, held) in batch.iter().enumerate() {
+                // Every live slot holds the key before (`retain` kept only those), so a key
+                // with the same holders drops none.
+                let before = i.checked_sub(1).and_then(|b| batch.get(b));
+                if !before.is_some_and(|b| held.same_as(b)) {
+                    held.retain(&mut live, |slot| depths.set(slot.index(), depth));
+                    if live.is_empty() {
+                        return depths;
+                    }
                 }
                 depth += 1;
             }

@@ -290,7 +290,8 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, 
     let body = parse(&body)?;
     extras(&app, &body)?;
     let return_strs = flag(&body, "return_token_strs", false)?;
-    let pieces: Vec<(u32, String)> = if body.get("messages").is_some() {
+    let rendered;
+    let text: &str = if body.get("messages").is_some() {
         if body.get("chat_template").is_some_and(|t| !t.is_null())
             || body
                 .get("chat_template_kwargs")
@@ -307,31 +308,48 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, 
             Some(_) => return Err(ApiError::bad("chat_template_kwargs must be an object")),
         };
         let tools = tools_of(&body)?;
-        let text = render_chat(
+        rendered = render_chat(
             &without_reasoning_content(messages_of(&body)?),
             tools.as_deref(),
             flag(&body, "add_generation_prompt", true)?,
             flag(&body, "continue_final_message", false)?,
             &kwargs,
         )?;
-        tokenizer::tokenize(&text)
+        &rendered
     } else {
         let Some(prompt) = body.get("prompt").and_then(Value::as_str) else {
             return Err(ApiError::bad(
                 "either `prompt` (a string) or `messages` is required",
             ));
         };
-        tokenizer::tokenize(prompt)
+        prompt
     };
-    let tokens: Vec<u32> = pieces.iter().map(|(id, _)| *id).collect();
-    let token_strs = return_strs.then(|| pieces.iter().map(|(_, p)| p.clone()).collect::<Vec<_>>());
-    Ok(axum::Json(json!({
-        "count": tokens.len(),
-        "max_model_len": app.max_model_len,
-        "tokens": tokens,
-        "token_strs": token_strs,
-    }))
+    // Ids alone unless the pieces are asked for, written straight from the vector: a
+    // string and a JSON value per token had made the emulator's "instant" tokenizer take
+    // 1.1 ms for 10,417 tokens (half of it allocation, 2026-12-06).
+    let (tokens, token_strs) = if return_strs {
+        let pieces = tokenizer::tokenize(text);
+        let ids = pieces.iter().map(|(id, _)| *id).collect();
+        (ids, Some(pieces.into_iter().map(|(_, piece)| piece).collect()))
+    } else {
+        (tokenizer::token_ids(text), None)
+    };
+    Ok(axum::Json(Tokenized {
+        count: tokens.len(),
+        max_model_len: app.max_model_len,
+        tokens,
+        token_strs,
+    })
     .into_response())
+}
+
+/// `/tokenize`'s answer, its fields in vLLM's order.
+#[derive(serde::Serialize)]
+struct Tokenized {
+    count: usize,
+    max_model_len: usize,
+    tokens: Vec<u32>,
+    token_strs: Option<Vec<String>>,
 }
 
 fn max_tokens(body: &Value, keys: &[&str], default: usize) -> Result<usize, ApiError> {

@@ -88,6 +88,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         crate::ingest::RECEIVE_HWM,
         settings.max_event_message_bytes,
     );
+    info!(
+        transparent_huge_pages = crate::huge::kernel_mode().as_deref().unwrap_or("unknown"),
+        "index tables of 4 MiB or more ask for huge pages"
+    );
     let token = auth.as_ref().and_then(crate::auth::ApiTokens::first);
     let daemon = Arc::new(Daemon::with_auth(settings, auth));
     if !args.peers.is_empty() || !peer_names.is_empty() || args.config.is_some() {

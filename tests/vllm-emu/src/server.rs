@@ -330,7 +330,10 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, 
     let (tokens, token_strs) = if return_strs {
         let pieces = tokenizer::tokenize(text);
         let ids = pieces.iter().map(|(id, _)| *id).collect();
-        (ids, Some(pieces.into_iter().map(|(_, piece)| piece).collect()))
+        (
+            ids,
+            Some(pieces.into_iter().map(|(_, piece)| piece).collect()),
+        )
     } else {
         (tokenizer::token_ids(text), None)
     };

@@ -149,7 +149,7 @@ fn walks(out: &mut String) {
         "| endpoints | holders per block | walk p50 | walk p99 | 64-slot walk p50 | 64-slot walk p99 | p50 new / old | bytes per (block, endpoint) | 64-slot bytes |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    let mut widest_p50 = 0.0;
+    let mut widest_p50 = None;
     for (endpoints, holders) in [(8, 1), (8, 8), (64, 1), (64, 8), (1024, 1), (1024, 8)] {
         let fleet = Fleet::new(endpoints, holders, &mut rng);
         let (mut new_times, mut old_times) = (Vec::new(), Vec::new());
@@ -205,7 +205,9 @@ fn walks(out: &mut String) {
         }
         std::hint::black_box(sink);
         let (p50, p99) = cell(&mut new_times);
-        widest_p50 = p50;
+        if (endpoints, holders) == (1024, 8) {
+            widest_p50 = Some(p50);
+        }
         let per_entry = |b: isize| b as f64 / fleet.entries() as f64;
         let (old_cells, ratio, old_bytes) = if !old_times.is_empty() {
             let (o50, o99) = cell(&mut old_times);
@@ -222,13 +224,13 @@ fn walks(out: &mut String) {
             per_entry(bytes)
         ));
     }
-    let (floor_p50, floor_p99) = noise_floor(widest_p50);
+    let (floor_p50, floor_p99) = noise_floor(widest_p50.unwrap_or(1.0));
     out.push_str(&format!(
-        "\n| the machine's own tail: arithmetic alone, no memory, timed as a walk | p50 | p99 |\n|---|---|---|\n| sized to the 1024 x 8 walk's p50 | {floor_p50:.2} us | {floor_p99:.2} us |\n"
+        "\n| the machine's own tail: arithmetic alone, nothing read beyond the stack, timed as a walk | p50 | p99 |\n|---|---|---|\n| sized to the 1024 x 8 walk's p50 | {floor_p50:.2} us | {floor_p99:.2} us |\n"
     ));
 }
 
-/// A loop of dependent arithmetic (no memory reads) sized to take about `p50_us` at the
+/// A loop of dependent arithmetic (nothing read beyond the stack) sized to take about `p50_us` at the
 /// median, timed [`WALKS`] times as a walk is: its p99 is the tail the machine itself adds
 /// to anything that long (preemption, interrupts, a shared host), which no index removes.
 fn noise_floor(p50_us: f64) -> (f64, f64) {

@@ -16,7 +16,6 @@ use std::collections::{BTreeMap, HashMap};
 use hashbrown::hash_map::Entry;
 
 use crate::huge::HugeMap;
-
 use crate::salts::SaltIndex;
 pub use crate::slots::{Depths, MAX_SLOTS, Slot, longest_prefixes_by};
 use crate::slots::{HolderView, Holders, NO_SPILL, Spill};

@@ -263,9 +263,12 @@ pub fn peers(args: &[&str]) -> anyhow::Result<()> {
 /// (`--engine vllm`: on real vLLM beside the emulator at the same shapes ->
 /// `docs/benchmarks/scenarios-vllm/`).
 pub fn scenarios(args: &[&str]) -> anyhow::Result<()> {
+    if let ["--time-scale", scale] = args {
+        return scenarios_at(scale);
+    }
     let (engine, hybrid) = engine_and_model(
         args,
-        "cargo xtask bench scenarios [--engine emu|vllm] [--model hybrid]",
+        "cargo xtask bench scenarios [--engine emu|vllm] [--model hybrid] | --time-scale X",
     )?;
     match (engine, hybrid) {
         ("vllm", _) => return scenarios_vllm(hybrid),
@@ -283,6 +286,46 @@ pub fn scenarios(args: &[&str]) -> anyhow::Result<()> {
         )
         .replace("{{TABLE}}", &table);
     write(&sh::root().join("docs/benchmarks/README.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+/// The emulator's modeled prefill speed at time scale 1 (GPT-OSS-20B), tokens a second.
+const EMU_PREFILL_AT_SCALE_1: f64 = 5115.0;
+
+/// The scenarios on the emulator at another speed than the reference runs' ->
+/// `docs/benchmarks/scenarios-time-scale-X/`.
+fn scenarios_at(scale: &str) -> anyhow::Result<()> {
+    let value: f64 = scale
+        .parse()
+        .ok()
+        .filter(|v: &f64| *v > 0.0)
+        .context("--time-scale: a positive number")?;
+    let out = sh::root().join(format!("docs/benchmarks/scenarios-time-scale-{value}"));
+    let started = std::time::Instant::now();
+    let table = stack_bench(&[
+        "scenarios",
+        &out.display().to_string(),
+        "--time-scale",
+        &value.to_string(),
+    ])?;
+    let md = include_str!("bench_scenarios_time_scale.md")
+        .replace("{{TIME_SCALE}}", &value.to_string())
+        .replace(
+            "{{PREFILL}}",
+            &format!("{:.0}", EMU_PREFILL_AT_SCALE_1 / value),
+        )
+        .replace("{{MACHINE}}", &machine())
+        .replace(
+            "{{MINUTES}}",
+            &format!("{:.1}", started.elapsed().as_secs_f64() / 60.0),
+        )
+        .replace("{{TABLE}}", &table)
+        .replace(
+            "{{READING}}",
+            include_str!("bench_scenarios_time_scale_notes.md").trim(),
+        );
+    write(&out.join("README.md"), &md)?;
     println!("{md}");
     Ok(())
 }

@@ -52,10 +52,11 @@ commands:
   bench seed [--engine emu|vllm] [--model hybrid]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
                 (real vLLM: docs/benchmarks/seed-vllm/; GPT-OSS's hybrid attention: -hybrid)
-  bench scenarios [--engine emu|vllm] [--model hybrid]
+  bench scenarios [--engine emu|vllm] [--model hybrid] | --time-scale X
                 eight production scenarios x routing profiles -> docs/benchmarks/README.md
                 (real vLLM, beside the emulator at the same shapes: docs/benchmarks/scenarios-vllm/;
-                GPT-OSS's hybrid attention: docs/benchmarks/scenarios-hybrid/, scenarios-vllm-hybrid/)
+                GPT-OSS's hybrid attention: docs/benchmarks/scenarios-hybrid/, scenarios-vllm-hybrid/;
+                the emulator at another speed: docs/benchmarks/scenarios-time-scale-X/)
   bench peers [--engine emu|vllm]
                 vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
                 (real vLLM: docs/benchmarks/peers-vllm/)

@@ -379,9 +379,9 @@ pub struct Scenario {
     pub replicas: usize,
     /// Extra flags for every emulated replica.
     pub replica_args: Vec<String>,
-    /// Flags for emulated replica `i` alone, replacing those the others run with (a mixed
-    /// fleet).
-    pub per_replica_args: Vec<Vec<String>>,
+    /// How many times slower the first emulated replica runs than the others (a mixed
+    /// fleet), whatever the engine's time scale.
+    pub slower_first: Option<f64>,
     /// KV cache capacity per replica in tokens, when the scenario limits it.
     pub kv_tokens: Option<usize>,
     /// Extra flags for kvaffined (ranking figures fixed by hand, say).
@@ -403,13 +403,19 @@ pub fn hybrid(mut scenario: Scenario) -> Scenario {
     scenario
 }
 
+/// The emulator's speed in the reference runs: GPT-OSS-20B's latency model at 0.2 of its
+/// times (5,115 prefill tokens/s at scale 1, so 25,575 here).
+pub const TIME_SCALE: f64 = 0.2;
+
 /// The replicas scenarios run on.
 pub enum Engine {
-    /// Fresh vllm-emu replicas for every run, at time scale 0.2, with `block_size`-token
-    /// blocks.
+    /// Fresh vllm-emu replicas for every run, with `block_size`-token blocks, at
+    /// `time_scale` of the GPT-OSS-20B latency model.
     Emu {
         /// Tokens per block.
         block_size: usize,
+        /// The replicas' `--time-scale`.
+        time_scale: f64,
     },
     /// Real vLLM replicas (one scenario's): their prefix caches are reset before every
     /// run, and the oracle rebuilds what they hold from their own events.
@@ -420,15 +426,23 @@ pub enum Engine {
 }
 
 impl Engine {
-    /// The emulator at the reference shape (16-token blocks).
+    /// The emulator at the reference shape (16-token blocks) and speed ([`TIME_SCALE`]).
     pub fn emu() -> Self {
-        Self::Emu { block_size: 16 }
+        Self::emu_at(TIME_SCALE)
+    }
+
+    /// The emulator at the reference shape, its replicas at `time_scale`.
+    pub fn emu_at(time_scale: f64) -> Self {
+        Self::Emu {
+            block_size: 16,
+            time_scale,
+        }
     }
 
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
         match self {
-            Self::Emu { block_size } => *block_size,
+            Self::Emu { block_size, .. } => *block_size,
             Self::Vllm { replicas, .. } => replicas.first().map_or(0, VllmProcess::block_size),
         }
     }
@@ -557,8 +571,12 @@ pub fn run_through<T>(
     };
     let mut others: Vec<Stack> = Vec::new();
     let (mut stack, oracle, oracle_process) = match engine {
-        Engine::Emu { block_size } => {
-            let mut replica_args: Vec<String> = vec!["--time-scale".into(), "0.2".into()];
+        Engine::Emu {
+            block_size,
+            time_scale,
+        } => {
+            let mut replica_args: Vec<String> =
+                vec!["--time-scale".into(), (*time_scale).to_string()];
             replica_args.extend(scenario.replica_args.iter().cloned());
             if let Some(tokens) = scenario.kv_tokens {
                 replica_args.extend([
@@ -570,7 +588,15 @@ pub fn run_through<T>(
                 replicas: scenario.replicas,
                 block_size: *block_size,
                 replica_args,
-                per_replica_args: scenario.per_replica_args.clone(),
+                per_replica_args: scenario
+                    .slower_first
+                    .map(|slower| {
+                        vec![vec![
+                            "--time-scale".into(),
+                            (*time_scale * slower).to_string(),
+                        ]]
+                    })
+                    .unwrap_or_default(),
                 filter,
                 daemon_args: scenario.daemon_args.clone(),
                 daemons,
@@ -853,7 +879,7 @@ pub fn daemon_restart(restarted: bool) -> Scenario {
         about: "a gateway's kvaffined restarted between a fresh prefix's first request and its siblings, KV events delayed",
         replicas: 2,
         replica_args: vec!["--event-lag-ms".into(), RESTART_EVENT_LAG_MS.to_string()],
-        per_replica_args: Vec::new(),
+        slower_first: None,
         kv_tokens: None,
         // A booking outlives the lag: it holds the first request's prefix until its events
         // arrive.
@@ -871,7 +897,7 @@ pub fn all() -> Vec<Scenario> {
         about,
         replicas,
         replica_args: Vec::new(),
-        per_replica_args: Vec::new(),
+        slower_first: None,
         kv_tokens: None,
         daemon_args: Vec::new(),
     };
@@ -891,7 +917,7 @@ pub fn all() -> Vec<Scenario> {
             about: "working set twice the fleet's KV capacity: evictions and BlockRemoved",
             replicas: 2,
             replica_args: Vec::new(),
-            per_replica_args: Vec::new(),
+            slower_first: None,
             // 256 blocks of 16 tokens.
             kv_tokens: Some(4096),
             daemon_args: Vec::new(),
@@ -926,8 +952,7 @@ pub fn all() -> Vec<Scenario> {
             about: "32 concurrent agent sessions on 4 replicas, one of them twice as slow",
             replicas: 4,
             replica_args: Vec::new(),
-            // Every replica runs at time scale 0.2 in these runs; this one at 0.4.
-            per_replica_args: vec![vec!["--time-scale".into(), "0.4".into()]],
+            slower_first: Some(2.0),
             kv_tokens: None,
             daemon_args: Vec::new(),
         },

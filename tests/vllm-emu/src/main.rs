@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
+use axum::serve::ListenerExt;
 use clap::{Parser, ValueEnum};
 use kvaffine_core::events::{EventBatch, EventFormat};
 use kvaffine_core::{HashAlgo, KeyConfig, VllmCompat};
@@ -289,6 +290,13 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         "vllm-emu listening on {local} events={events_endpoint} replay={}",
         replay_endpoint.as_deref().unwrap_or("-")
     );
+    // vLLM's server (uvicorn on asyncio) writes with TCP_NODELAY; without it a stream's
+    // first chunk, written within 40 ms of its headers, waited for the peer's delayed ACK.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY not set: {e}");
+        }
+    });
     axum::serve(listener, router(app))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

@@ -28,6 +28,21 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
     if hybrid {
         args.pop();
     }
+    // `--time-scale X` anywhere: the emulated scenarios' replicas at another speed.
+    let time_scale = match args.iter().position(|a| a == "--time-scale") {
+        Some(at) => {
+            let value = args
+                .get(at + 1)
+                .context("--time-scale needs a value")?
+                .parse::<f64>()
+                .ok()
+                .filter(|scale| *scale > 0.0)
+                .context("--time-scale: a positive number")?;
+            args.drain(at..at + 2);
+            value
+        }
+        None => kvaffine_e2e::scenarios::TIME_SCALE,
+    };
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
         Some("filter-profile") => filter_profile(args.get(1).map_or("hash", String::as_str)),
@@ -60,6 +75,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             args.get(1).context("usage: bench scenarios OUT_DIR")?,
             args.get(2).filter(|a| *a != "emu"),
             hybrid,
+            time_scale,
         ),
         Some("ingest") => ingest(),
         Some("overload") => overload(),
@@ -79,7 +95,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).map_or(Ok(12), |p| p.parse())?,
         ),
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] [--time-scale X] | peers OUT_DIR [PAIRS|vllm]"
         ),
     }
 }
@@ -746,7 +762,7 @@ fn gateways() -> anyhow::Result<()> {
             );
             let scenario = scenarios::Scenario {
                 replica_args: scenario.replica_args.clone(),
-                per_replica_args: scenario.per_replica_args.clone(),
+                slower_first: scenario.slower_first,
                 daemon_args: {
                     let mut args = scenario.daemon_args.clone();
                     if fixed {
@@ -1303,9 +1319,15 @@ fn ingest() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `bench scenarios OUT_DIR [NAME] [hybrid]`: every scenario (or one) under every
-/// profile (`hybrid`: on replicas serving GPT-OSS's attention layout).
-fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<()> {
+/// `bench scenarios OUT_DIR [NAME] [hybrid] [--time-scale X]`: every scenario (or one)
+/// under every profile (`hybrid`: on replicas serving GPT-OSS's attention layout), the
+/// replicas at `time_scale`.
+fn scenarios(
+    out: &str,
+    only: Option<&String>,
+    hybrid: bool,
+    time_scale: f64,
+) -> anyhow::Result<()> {
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Profile, Run};
     let out = std::path::Path::new(out);
     std::fs::create_dir_all(out)?;
@@ -1327,7 +1349,7 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
                 replica_args.extend(["--event-lag-ms".into(), lag.to_string()]);
                 let lagged = scenarios::Scenario {
                     replica_args,
-                    per_replica_args: scenario.per_replica_args.clone(),
+                    slower_first: scenario.slower_first,
                     daemon_args: scenario.daemon_args.clone(),
                     ..scenario
                 };
@@ -1342,7 +1364,7 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
                     ),
                 ] {
                     runs.push(scenarios::run(
-                        &mut Engine::emu(),
+                        &mut Engine::emu_at(time_scale),
                         &lagged,
                         profile,
                         &variant,
@@ -1359,7 +1381,7 @@ fn scenarios(out: &str, only: Option<&String>, hybrid: bool) -> anyhow::Result<(
         });
         for profile in PROFILES {
             runs.push(scenarios::run(
-                &mut Engine::emu(),
+                &mut Engine::emu_at(time_scale),
                 &scenario,
                 profile,
                 "",
@@ -1531,7 +1553,10 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
         eprintln!("scenario {} on vllm-emu ...", scenario.name);
         for profile in PROFILES {
             emulated.push(scenarios::run(
-                &mut Engine::Emu { block_size: BLOCK },
+                &mut Engine::Emu {
+                    block_size: BLOCK,
+                    time_scale: scenarios::TIME_SCALE,
+                },
                 scenario,
                 profile,
                 "",
@@ -1597,7 +1622,7 @@ fn peers_vllm(out: &str) -> anyhow::Result<()> {
     };
     let workloads = peers::workloads()
         .into_iter()
-        .filter(|workload| workload.per_replica_args.is_empty())
+        .filter(|workload| workload.slower_first.is_none())
         .map(|workload| Scenario {
             replicas: 2,
             ..workload

@@ -276,16 +276,41 @@ pub fn scenarios(args: &[&str]) -> anyhow::Result<()> {
         _ => {}
     }
     let out = sh::root().join("docs/benchmarks/scenarios");
+    scenarios_page(
+        &out,
+        &[],
+        include_str!("bench_scenarios.md"),
+        &sh::root().join("docs/benchmarks/README.md"),
+        &[],
+    )
+}
+
+/// Runs the emulated scenarios into `out` (with `more` bench arguments) and writes
+/// `template` to `page`, its `{{MACHINE}}`, `{{MINUTES}}` and `{{TABLE}}` filled in, and
+/// each of `fills`.
+fn scenarios_page(
+    out: &Path,
+    more: &[&str],
+    template: &str,
+    page: &Path,
+    fills: &[(&str, String)],
+) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
-    let table = stack_bench(&["scenarios", &out.display().to_string()])?;
-    let md = include_str!("bench_scenarios.md")
+    let out_arg = out.display().to_string();
+    let mut args = vec!["scenarios", out_arg.as_str()];
+    args.extend(more);
+    let table = stack_bench(&args)?;
+    let mut md = template
         .replace("{{MACHINE}}", &machine())
         .replace(
             "{{MINUTES}}",
             &format!("{:.1}", started.elapsed().as_secs_f64() / 60.0),
         )
         .replace("{{TABLE}}", &table);
-    write(&sh::root().join("docs/benchmarks/README.md"), &md)?;
+    for (key, value) in fills {
+        md = md.replace(key, value);
+    }
+    write(page, &md)?;
     println!("{md}");
     Ok(())
 }
@@ -302,50 +327,33 @@ fn scenarios_at(scale: &str) -> anyhow::Result<()> {
         .filter(|v: &f64| *v > 0.0)
         .context("--time-scale: a positive number")?;
     let out = sh::root().join(format!("docs/benchmarks/scenarios-time-scale-{value}"));
-    let started = std::time::Instant::now();
-    let table = stack_bench(&[
-        "scenarios",
-        &out.display().to_string(),
-        "--time-scale",
-        &value.to_string(),
-    ])?;
-    let md = include_str!("bench_scenarios_time_scale.md")
-        .replace("{{TIME_SCALE}}", &value.to_string())
-        .replace(
-            "{{PREFILL}}",
-            &format!("{:.0}", EMU_PREFILL_AT_SCALE_1 / value),
-        )
-        .replace("{{MACHINE}}", &machine())
-        .replace(
-            "{{MINUTES}}",
-            &format!("{:.1}", started.elapsed().as_secs_f64() / 60.0),
-        )
-        .replace("{{TABLE}}", &table)
-        .replace(
-            "{{READING}}",
-            include_str!("bench_scenarios_time_scale_notes.md").trim(),
-        );
-    write(&out.join("README.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    let scale = value.to_string();
+    scenarios_page(
+        &out,
+        &["--time-scale", &scale],
+        include_str!("bench_scenarios_time_scale.md"),
+        &out.join("README.md"),
+        &[
+            ("{{TIME_SCALE}}", scale.clone()),
+            (
+                "{{PREFILL}}",
+                format!("{:.0}", EMU_PREFILL_AT_SCALE_1 / value),
+            ),
+        ],
+    )
 }
 
 /// The scenarios on emulated replicas serving GPT-OSS's attention layout ->
 /// `docs/benchmarks/scenarios-hybrid/`.
 fn scenarios_hybrid() -> anyhow::Result<()> {
     let out = sh::root().join("docs/benchmarks/scenarios-hybrid");
-    let started = std::time::Instant::now();
-    let table = stack_bench(&["scenarios", &out.display().to_string(), "emu", "hybrid"])?;
-    let md = include_str!("bench_scenarios_hybrid.md")
-        .replace("{{MACHINE}}", &machine())
-        .replace(
-            "{{MINUTES}}",
-            &format!("{:.1}", started.elapsed().as_secs_f64() / 60.0),
-        )
-        .replace("{{TABLE}}", &table);
-    write(&out.join("README.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    scenarios_page(
+        &out,
+        &["emu", "hybrid"],
+        include_str!("bench_scenarios_hybrid.md"),
+        &out.join("README.md"),
+        &[],
+    )
 }
 
 fn scenarios_vllm(hybrid: bool) -> anyhow::Result<()> {

@@ -290,8 +290,9 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         "vllm-emu listening on {local} events={events_endpoint} replay={}",
         replay_endpoint.as_deref().unwrap_or("-")
     );
-    // vLLM's server (uvicorn on asyncio) writes with TCP_NODELAY; without it a stream's
-    // first chunk, written within 40 ms of its headers, waited for the peer's delayed ACK.
+    // vLLM's server writes with TCP_NODELAY (asyncio and uvloop set it; docs/emulator.md);
+    // without it a stream's first chunk, written within 40 ms of its headers, waited for
+    // the peer's delayed ACK.
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!("TCP_NODELAY not set: {e}");

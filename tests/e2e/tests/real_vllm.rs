@@ -1932,7 +1932,20 @@ fn stream_through(gateway: &str, body: &Value) -> Exchange {
     let _ = stream.read_to_end(&mut raw);
     let reply = parse_response(&raw);
     if reply.status != 200 {
-        return failed(format!("status {}: {}", reply.status, reply.body));
+        // The headers name who answered: Envoy's own replies carry `x-envoy-*` and no
+        // `x-served-by`; a replica's pass through with its `server`.
+        let headers: Vec<String> = reply
+            .headers
+            .iter()
+            .map(|(name, value)| format!("{name}: {value}"))
+            .collect();
+        return failed(format!(
+            "status {} after {:?} [{}]: {:?}",
+            reply.status,
+            started.elapsed(),
+            headers.join("; "),
+            reply.body
+        ));
     }
     let header = |name: &str| reply.header(name).unwrap_or("").to_owned();
     Exchange {

@@ -183,52 +183,95 @@ fn daemon_bench(
     Ok(())
 }
 
-/// `--engine emu|vllm` and `--model hybrid` from `args`, in any order.
-fn engine_and_model(args: &[&str], usage: &str) -> anyhow::Result<(&'static str, bool)> {
-    let (mut engine, mut hybrid) = ("emu", false);
+/// The real-vLLM benchmark model of a run (`--model`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum BenchModel {
+    /// [`crate::vllm::BENCH`].
+    Bench,
+    /// `--model hybrid`: [`crate::vllm::BENCH_HYBRID`].
+    Hybrid,
+    /// `--model large`: [`crate::vllm::BENCH_LARGE`] (and a mixed fleet beside
+    /// [`crate::vllm::BENCH`]).
+    Large,
+}
+
+impl BenchModel {
+    /// The bench binary's trailing argument for it.
+    fn arg(self) -> Option<&'static str> {
+        match self {
+            Self::Bench => None,
+            Self::Hybrid => Some("hybrid"),
+            Self::Large => Some("large"),
+        }
+    }
+
+    /// What its pages' directory names end with.
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::Bench => "",
+            Self::Hybrid => "-hybrid",
+            Self::Large => "-large",
+        }
+    }
+}
+
+/// `--engine emu|vllm` and `--model hybrid|large` from `args`, in any order, `--model`
+/// limited to `models`.
+fn engine_and_model(
+    args: &[&str],
+    models: &[BenchModel],
+    usage: &str,
+) -> anyhow::Result<(&'static str, BenchModel)> {
+    let (mut engine, mut model) = ("emu", BenchModel::Bench);
     for pair in args.chunks(2) {
         match pair {
             ["--engine", "emu"] => engine = "emu",
             ["--engine", "vllm"] => engine = "vllm",
-            ["--model", "hybrid"] => hybrid = true,
+            ["--model", "hybrid"] => model = BenchModel::Hybrid,
+            ["--model", "large"] => model = BenchModel::Large,
             _ => anyhow::bail!("usage: {usage}"),
         }
     }
-    Ok((engine, hybrid))
+    if model != BenchModel::Bench && !models.contains(&model) {
+        anyhow::bail!("usage: {usage}");
+    }
+    Ok((engine, model))
 }
 
-/// The real-vLLM benchmarks' model: [`crate::vllm::BENCH`], or its GPT-OSS-shaped
-/// variant for `--model hybrid`.
-fn ensure_bench_model(hybrid: bool) -> anyhow::Result<()> {
+/// The real-vLLM benchmarks' models for `model`: [`crate::vllm::BENCH`], its
+/// GPT-OSS-shaped variant, or the large one and [`crate::vllm::BENCH`] beside it.
+fn ensure_bench_model(model: BenchModel) -> anyhow::Result<()> {
     let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
-    let shape = if hybrid {
-        &crate::vllm::BENCH_HYBRID
-    } else {
-        &crate::vllm::BENCH
+    let shapes: &[&crate::vllm::ModelShape] = match model {
+        BenchModel::Bench => &[&crate::vllm::BENCH],
+        BenchModel::Hybrid => &[&crate::vllm::BENCH_HYBRID],
+        BenchModel::Large => &[&crate::vllm::BENCH_LARGE, &crate::vllm::BENCH],
     };
-    crate::vllm::ensure_model(&venv, shape).map(drop)
+    for shape in shapes {
+        crate::vllm::ensure_model(&venv, shape)?;
+    }
+    Ok(())
 }
 
 /// The reference two-replica measurement -> `docs/benchmarks/seed/` (`-vllm` for real
 /// vLLM, `-hybrid` for the hybrid-attention model).
 pub fn seed(args: &[&str]) -> anyhow::Result<()> {
-    let (engine, hybrid) = engine_and_model(
+    let (engine, model) = engine_and_model(
         args,
+        &[BenchModel::Hybrid],
         "cargo xtask bench seed [--engine emu|vllm] [--model hybrid]",
     )?;
     if engine == "vllm" {
-        ensure_bench_model(hybrid)?;
+        ensure_bench_model(model)?;
     }
     let out = sh::root().join(format!(
         "docs/benchmarks/seed{}{}",
         if engine == "vllm" { "-vllm" } else { "" },
-        if hybrid { "-hybrid" } else { "" }
+        model.suffix()
     ));
     let out_arg = out.display().to_string();
     let mut bench_args = vec!["seed", &out_arg, engine];
-    if hybrid {
-        bench_args.push("hybrid");
-    }
+    bench_args.extend(model.arg());
     let summary = stack_bench(&bench_args)?;
     println!("{summary}");
     println!("wrote {}", out.display());
@@ -236,22 +279,35 @@ pub fn seed(args: &[&str]) -> anyhow::Result<()> {
 }
 
 /// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`
-/// (`--engine vllm`: their workloads on real vLLM -> `docs/benchmarks/peers-vllm/`).
+/// (`--engine vllm`: their workloads on real vLLM -> `docs/benchmarks/peers-vllm/`;
+/// `--time-scale X`: on the emulator at another speed ->
+/// `docs/benchmarks/peers-time-scale-X/`).
 pub fn peers(args: &[&str]) -> anyhow::Result<()> {
     sh::ensure_venv(&["vllm-router==0.1.17", "sglang-router==0.3.2"])?;
+    let usage = "cargo xtask bench peers [--engine emu|vllm [--model large]] | --time-scale X";
     match args {
         [] | ["--engine", "emu"] => {}
-        ["--engine", "vllm"] => {
-            let venv = crate::vllm::ensure(&crate::vllm::newest()?)?;
-            crate::vllm::ensure_model(&venv, &crate::vllm::BENCH)?;
-            let out = sh::root().join("docs/benchmarks/peers-vllm");
+        ["--time-scale", scale] => {
+            let value = positive(scale)?;
+            let out = sh::root().join(format!("docs/benchmarks/peers-time-scale-{value}"));
+            let scale = value.to_string();
             println!(
                 "{}",
-                stack_bench(&["peers", &out.display().to_string(), "vllm"])?
+                stack_bench(&["peers", &out.display().to_string(), "--time-scale", &scale])?
             );
             return Ok(());
         }
-        _ => anyhow::bail!("usage: cargo xtask bench peers [--engine emu|vllm]"),
+        _ => {
+            let (engine, model) = engine_and_model(args, &[BenchModel::Large], usage)?;
+            anyhow::ensure!(engine == "vllm", "usage: {usage}");
+            ensure_bench_model(model)?;
+            let out = sh::root().join(format!("docs/benchmarks/peers-vllm{}", model.suffix()));
+            let out_arg = out.display().to_string();
+            let mut bench_args = vec!["peers", &out_arg, "vllm"];
+            bench_args.extend(model.arg());
+            println!("{}", stack_bench(&bench_args)?);
+            return Ok(());
+        }
     }
     let out = sh::root().join("docs/benchmarks");
     let md = stack_bench(&["peers", &out.display().to_string()])?;
@@ -266,13 +322,13 @@ pub fn scenarios(args: &[&str]) -> anyhow::Result<()> {
     if let ["--time-scale", scale] = args {
         return scenarios_at(scale);
     }
-    let (engine, hybrid) = engine_and_model(
-        args,
-        "cargo xtask bench scenarios [--engine emu|vllm] [--model hybrid] | --time-scale X",
-    )?;
-    match (engine, hybrid) {
-        ("vllm", _) => return scenarios_vllm(hybrid),
-        (_, true) => return scenarios_hybrid(),
+    let usage =
+        "cargo xtask bench scenarios [--engine emu|vllm] [--model hybrid|large] | --time-scale X";
+    let (engine, model) = engine_and_model(args, &[BenchModel::Hybrid, BenchModel::Large], usage)?;
+    match (engine, model) {
+        ("vllm", _) => return scenarios_vllm(model),
+        (_, BenchModel::Large) => anyhow::bail!("--model large is a real vLLM model: {usage}"),
+        (_, BenchModel::Hybrid) => return scenarios_hybrid(),
         _ => {}
     }
     let out = sh::root().join("docs/benchmarks/scenarios");
@@ -318,14 +374,19 @@ fn scenarios_page(
 /// The emulator's modeled prefill speed at time scale 1 (GPT-OSS-20B), tokens a second.
 const EMU_PREFILL_AT_SCALE_1: f64 = 5115.0;
 
-/// The scenarios on the emulator at another speed than the reference runs' ->
-/// `docs/benchmarks/scenarios-time-scale-X/`.
-fn scenarios_at(scale: &str) -> anyhow::Result<()> {
-    let value: f64 = scale
+/// A `--time-scale` value.
+fn positive(scale: &str) -> anyhow::Result<f64> {
+    scale
         .parse()
         .ok()
         .filter(|v: &f64| *v > 0.0)
-        .context("--time-scale: a positive number")?;
+        .context("--time-scale: a positive number")
+}
+
+/// The scenarios on the emulator at another speed than the reference runs' ->
+/// `docs/benchmarks/scenarios-time-scale-X/`.
+fn scenarios_at(scale: &str) -> anyhow::Result<()> {
+    let value = positive(scale)?;
     let out = sh::root().join(format!("docs/benchmarks/scenarios-time-scale-{value}"));
     let scale = value.to_string();
     scenarios_page(
@@ -356,39 +417,54 @@ fn scenarios_hybrid() -> anyhow::Result<()> {
     )
 }
 
-fn scenarios_vllm(hybrid: bool) -> anyhow::Result<()> {
-    ensure_bench_model(hybrid)?;
-    let out = sh::root().join(if hybrid {
-        "docs/benchmarks/scenarios-vllm-hybrid"
-    } else {
-        "docs/benchmarks/scenarios-vllm"
-    });
+/// The scenarios on real vLLM beside the emulator -> `docs/benchmarks/scenarios-vllm/`
+/// (`-hybrid`, `-large` for the other models).
+fn scenarios_vllm(bench_model: BenchModel) -> anyhow::Result<()> {
+    ensure_bench_model(bench_model)?;
+    let out = sh::root().join(format!(
+        "docs/benchmarks/scenarios-vllm{}",
+        bench_model.suffix()
+    ));
     let started = std::time::Instant::now();
     let out_arg = out.display().to_string();
     let mut bench_args = vec!["scenarios", &out_arg, "vllm"];
-    if hybrid {
-        bench_args.push("hybrid");
-    }
+    bench_args.extend(bench_model.arg());
     let tables = stack_bench(&bench_args)?;
-    let pressure = if hybrid {
+    let pressure = if bench_model == BenchModel::Hybrid {
         "`cache-pressure` gives each replica 256 blocks\n  (`--num-gpu-blocks-override`, 4,096 tokens in each of its two groups, as the emulator's\n  512 x 16 beside its single-group 256 x 16)"
     } else {
         "`cache-pressure` gives each replica 128 blocks\n  (`--num-gpu-blocks-override`, 4,096 tokens, as the emulator's 256 x 16)"
     };
-    let (title, command, model, emulator) = if hybrid {
-        (
+    let (lag, restart) = (
+        "`event-lag` (its event lag cannot be set)",
+        "`replica-restart` (a real\nreplica takes ~30 s to come back, longer than the workload)",
+    );
+    let not_run = if bench_model == BenchModel::Large {
+        format!("{lag} and {restart}")
+    } else {
+        format!(
+            "{lag}, {restart} and `heterogeneous` (its two replicas are one model here;\n[the large model's page](../scenarios-vllm-large/README.md) runs it)"
+        )
+    };
+    let (title, command, model, emulator) = match bench_model {
+        BenchModel::Hybrid => (
             "Production scenarios on real vLLM, hybrid attention, beside the emulator",
             "cargo xtask bench scenarios --engine vllm --model hybrid",
             "the hybrid benchmark model (4 layers alternating a 128-token sliding window and\n  full attention, GPT-OSS's layout, as a Gemma 3 with hidden 256, dummy weights, one\n  thread each; vLLM runs it with two KV-cache groups)",
             "two emulated replicas with `--sliding-window 128`",
-        )
-    } else {
-        (
+        ),
+        BenchModel::Large => (
+            "Production scenarios on real vLLM, the larger model, beside the emulator",
+            "cargo xtask bench scenarios --engine vllm --model large",
+            "the large benchmark model (8 layers,\n  hidden 256: twice the layers of the benchmark model, about twice its compute per\n  token; dummy weights, one thread each; in `heterogeneous`, a mixed fleet, the first\n  replica is of this model and the second of the benchmark model, which serves under\n  the same name with the same tokenizer)",
+            "two emulated replicas (in `heterogeneous` the first at twice the second's time\n  scale)",
+        ),
+        BenchModel::Bench => (
             "Production scenarios on real vLLM, beside the emulator",
             "cargo xtask bench scenarios --engine vllm",
             "the benchmark model (4 layers,\n  hidden 256, dummy weights, one thread each)",
             "two emulated replicas",
-        )
+        ),
     };
     let md = include_str!("bench_scenarios_vllm.md")
         .replace("{{TITLE}}", title)
@@ -396,6 +472,7 @@ fn scenarios_vllm(hybrid: bool) -> anyhow::Result<()> {
         .replace("{{MODEL}}", model)
         .replace("{{EMULATOR}}", emulator)
         .replace("{{PRESSURE}}", pressure)
+        .replace("{{NOT_RUN}}", &not_run)
         .replace("{{MACHINE}}", &machine())
         .replace("{{VERSION}}", &crate::vllm::newest()?)
         .replace(

@@ -52,14 +52,16 @@ commands:
   bench seed [--engine emu|vllm] [--model hybrid]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
                 (real vLLM: docs/benchmarks/seed-vllm/; GPT-OSS's hybrid attention: -hybrid)
-  bench scenarios [--engine emu|vllm] [--model hybrid] | --time-scale X
+  bench scenarios [--engine emu|vllm] [--model hybrid|large] | --time-scale X
                 eight production scenarios x routing profiles -> docs/benchmarks/README.md
                 (real vLLM, beside the emulator at the same shapes: docs/benchmarks/scenarios-vllm/;
                 GPT-OSS's hybrid attention: docs/benchmarks/scenarios-hybrid/, scenarios-vllm-hybrid/;
+                real vLLM's larger model and a mixed fleet: docs/benchmarks/scenarios-vllm-large/;
                 the emulator at another speed: docs/benchmarks/scenarios-time-scale-X/)
-  bench peers [--engine emu|vllm]
+  bench peers [--engine emu|vllm [--model large]] | --time-scale X
                 vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
-                (real vLLM: docs/benchmarks/peers-vllm/)
+                (real vLLM: docs/benchmarks/peers-vllm/, its larger model: peers-vllm-large/;
+                the emulator at another speed: docs/benchmarks/peers-time-scale-X/)
   bench reliability
                 faults, 60 s of load, ingest under lookups -> docs/reliability.md
   bench soak [--minutes N] [--engine emu|vllm]

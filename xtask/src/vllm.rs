@@ -131,6 +131,15 @@ pub const BENCH: ModelShape = ModelShape {
     sliding_window: 0,
 };
 
+/// The larger benchmark model: [`BENCH`] with twice the layers, so about twice the compute
+/// per token; the benchmarks' second model size, and the slow replica of a mixed fleet
+/// beside one of [`BENCH`] (the same tokenizer, so the same tokens and block keys).
+pub const BENCH_LARGE: ModelShape = ModelShape {
+    name: "bench-large",
+    layers: 8,
+    ..BENCH
+};
+
 /// Runs one setup step, turning its failure into one line that names it.
 fn step<T>(name: &str, work: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
     work().map_err(|e| anyhow::anyhow!("vLLM setup failed at step '{name}': {e:#}"))

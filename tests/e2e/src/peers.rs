@@ -714,23 +714,25 @@ fn scenario_tables(
     Ok(json_runs)
 }
 
-/// Writes `README.md`, `peers.json` and the charts of the peers on real vLLM into `dir`:
-/// the workloads only (the two-turn reference is `bench seed --engine vllm`'s, and the
-/// added latency is a property of the routers, measured on the emulator's instant
-/// replicas).
-pub fn write_vllm(
+/// Writes `README.md`, `peers.json` and the charts of a run of the workloads alone into
+/// `dir` (on real vLLM, or the emulator at another speed): `intro` above the tables, `notes`
+/// below. The two-turn reference and the added latency are left to their own pages: the
+/// first is `bench seed`'s, the second a property of the routers, measured on the
+/// emulator's instant replicas in `peers.md`.
+pub fn write_workloads(
     dir: &Path,
     runs: &[Run],
+    page: &WorkloadsPage,
     command: &str,
     machine: &str,
-    version: &str,
 ) -> anyhow::Result<String> {
     use std::fmt::Write as _;
     std::fs::create_dir_all(dir.join("peers"))?;
-    let mut md = String::from("# kvaffine and the peers on real vLLM\n\n");
+    let mut md = format!("# {}\n\n", page.title);
     writeln!(md, "Command: `{command}`. Machine: {machine}.\n")?;
-    md.push_str(&include_str!("peers_vllm_intro.md").replace("{{VERSION}}", version));
+    md.push_str(&page.intro);
     let json_runs = scenario_tables(&mut md, dir, runs)?;
+    md.push_str(&page.notes);
     std::fs::write(
         dir.join("peers/peers.json"),
         serde_json::to_string_pretty(
@@ -739,4 +741,49 @@ pub fn write_vllm(
     )?;
     std::fs::write(dir.join("README.md"), &md)?;
     Ok(md)
+}
+
+/// The words around the tables of a [`write_workloads`] page.
+pub struct WorkloadsPage {
+    /// The page's heading.
+    pub title: &'static str,
+    /// What ran, above the tables.
+    pub intro: String,
+    /// What the run showed, below them.
+    pub notes: String,
+}
+
+impl WorkloadsPage {
+    /// The peers on two real vLLM `version` replicas, described as `replicas`, running
+    /// `workloads`.
+    pub fn vllm(version: &str, replicas: &str, workloads: &str) -> Self {
+        Self {
+            title: "kvaffine and the peers on real vLLM",
+            intro: include_str!("peers_vllm_intro.md")
+                .replace("{{VERSION}}", version)
+                .replace("{{REPLICAS}}", replicas)
+                .replace("{{WORKLOADS}}", workloads),
+            notes: String::new(),
+        }
+    }
+
+    /// The peers on emulated replicas at `time_scale` rather than the reference's.
+    pub fn time_scale(time_scale: f64) -> Self {
+        let fill = |text: &str| {
+            text.replace("{{TIME_SCALE}}", &time_scale.to_string())
+                .replace(
+                    "{{PREFILL}}",
+                    // The emulator's cold prefill, tokens a second, at that scale.
+                    &format!(
+                        "{:.0}",
+                        1e3 / vllm_emu::engine::TimeModel::default().uncached_ms / time_scale
+                    ),
+                )
+        };
+        Self {
+            title: "kvaffine and the peers, the emulator at another speed",
+            intro: fill(include_str!("peers_time_scale_intro.md")),
+            notes: fill(include_str!("peers_time_scale_notes.md")),
+        }
+    }
 }

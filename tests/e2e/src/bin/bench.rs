@@ -22,11 +22,71 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// The real-vLLM benchmark model a run uses (xtask's `--model`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BenchModel {
+    /// Four layers, hidden 256.
+    Bench,
+    /// The same size with GPT-OSS's attention layout.
+    Hybrid,
+    /// Twice the layers of [`BenchModel::Bench`]: about twice its compute per token.
+    Large,
+}
+
+impl BenchModel {
+    /// Its directory under the vLLM home's `models`.
+    fn dir(self) -> &'static str {
+        match self {
+            Self::Bench => "bench",
+            Self::Hybrid => "bench-hybrid",
+            Self::Large => "bench-large",
+        }
+    }
+
+    /// Whether its runs include a mixed fleet: only the large model has a smaller sibling
+    /// of the same tokenizer to run beside it.
+    fn has_mixed_fleet(self) -> bool {
+        self == Self::Large
+    }
+}
+
+/// The two real-vLLM replicas `scenario` runs on: both as `spec`, or for a mixed fleet
+/// (`slower_first`) the first as `spec` (the large model) beside one of the benchmark
+/// model, which serves under the same name with the same tokenizer and block keys.
+fn real_fleet(
+    spec: &kvaffine_e2e::vllm::VllmSpec,
+    scenario: &kvaffine_e2e::scenarios::Scenario,
+) -> Vec<kvaffine_e2e::vllm::VllmSpec> {
+    let second = if scenario.slower_first.is_some() {
+        kvaffine_e2e::vllm::VllmSpec {
+            model: BenchModel::Bench.dir().to_owned(),
+            ..spec.clone()
+        }
+    } else {
+        spec.clone()
+    };
+    vec![spec.clone(), second]
+}
+
 fn run(mut args: Vec<String>) -> anyhow::Result<()> {
-    // A trailing `hybrid`: the seed and scenario runs on a hybrid-attention model.
-    let hybrid = args.len() > 2 && args.last().is_some_and(|a| a == "hybrid");
-    if hybrid {
+    // A trailing `hybrid` (the seed and scenario runs on a hybrid-attention model) or
+    // `large` (the real-vLLM scenarios and peers on the larger benchmark model).
+    let model = match args.last().map(String::as_str) {
+        Some("hybrid") if args.len() > 2 => BenchModel::Hybrid,
+        Some("large") if args.len() > 2 => BenchModel::Large,
+        _ => BenchModel::Bench,
+    };
+    if model != BenchModel::Bench {
         args.pop();
+    }
+    let hybrid = model == BenchModel::Hybrid;
+    let on_real_vllm = args.get(2).is_some_and(|a| a == "vllm")
+        && matches!(
+            args.first().map(String::as_str),
+            Some("scenarios" | "peers")
+        );
+    if model == BenchModel::Large && !on_real_vllm {
+        bail!("`large` is a real vLLM model: bench scenarios|peers OUT_DIR vllm large");
     }
     // `--time-scale X` anywhere: the emulated scenarios' replicas at another speed.
     let time_scale = match args.iter().position(|a| a == "--time-scale") {
@@ -39,9 +99,9 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
                 .filter(|scale| *scale > 0.0)
                 .context("--time-scale: a positive number")?;
             args.drain(at..at + 2);
-            value
+            Some(value)
         }
-        None => kvaffine_e2e::scenarios::TIME_SCALE,
+        None => None,
     };
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
@@ -68,14 +128,14 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
         }
         Some("scenarios") if args.get(2).is_some_and(|a| a == "vllm") => scenarios_vllm(
             args.get(1)
-                .context("usage: bench scenarios OUT_DIR vllm [hybrid]")?,
-            hybrid,
+                .context("usage: bench scenarios OUT_DIR vllm [hybrid|large]")?,
+            model,
         ),
         Some("scenarios") => scenarios(
             args.get(1).context("usage: bench scenarios OUT_DIR")?,
             args.get(2).filter(|a| *a != "emu"),
             hybrid,
-            time_scale,
+            time_scale.unwrap_or(kvaffine_e2e::scenarios::TIME_SCALE),
         ),
         Some("ingest") => ingest(),
         Some("overload") => overload(),
@@ -87,15 +147,22 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
                 .parse()?,
             args.get(3).map_or("emu", String::as_str),
         ),
-        Some("peers") if args.get(2).is_some_and(|a| a == "vllm") => {
-            peers_vllm(args.get(1).context("usage: bench peers OUT_DIR vllm")?)
-        }
-        Some("peers") => peers(
-            args.get(1).context("usage: bench peers OUT_DIR [PAIRS]")?,
-            args.get(2).map_or(Ok(12), |p| p.parse())?,
+        Some("peers") if args.get(2).is_some_and(|a| a == "vllm") => peers_vllm(
+            args.get(1)
+                .context("usage: bench peers OUT_DIR vllm [large]")?,
+            model,
         ),
+        Some("peers") => {
+            let out = args
+                .get(1)
+                .context("usage: bench peers OUT_DIR [PAIRS|--time-scale X]")?;
+            match time_scale {
+                Some(time_scale) => peers_at(out, time_scale),
+                None => peers(out, args.get(2).map_or(Ok(12), |p| p.parse())?),
+            }
+        }
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid] [--time-scale X] | peers OUT_DIR [PAIRS|vllm]"
+            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid|large] [--time-scale X] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X]"
         ),
     }
 }
@@ -648,6 +715,24 @@ fn callout_row(
         ms(latencies.quantile(0.5)),
         ms(latencies.quantile(0.99))
     )
+}
+
+/// `bench peers OUT_DIR --time-scale X`: the peers' workloads alone, on emulated replicas
+/// at another speed than the reference's.
+fn peers_at(out: &str, time_scale: f64) -> anyhow::Result<()> {
+    use kvaffine_e2e::peers;
+    use kvaffine_e2e::scenarios::Engine;
+    let runs = peers::run_all(peers::workloads(), |_| Ok(Engine::emu_at(time_scale)))?;
+    let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
+    let md = peers::write_workloads(
+        std::path::Path::new(out),
+        &runs,
+        &peers::WorkloadsPage::time_scale(time_scale),
+        &format!("cargo xtask bench peers --time-scale {time_scale}"),
+        &machine,
+    )?;
+    println!("{md}");
+    Ok(())
 }
 
 /// `bench peers OUT_DIR [PAIRS]`: kvaffine and the peer routers side by side.
@@ -1504,11 +1589,13 @@ fn scenario_table(
     Ok((md, json_runs))
 }
 
-/// `bench scenarios OUT_DIR vllm`: the scenarios that fit two cores on two real vLLM
-/// replicas of the benchmark model (32-token blocks), then on two emulated replicas at the
-/// same shapes, side by side. Not here: event-lag (vLLM's event lag cannot be set) and
-/// replica-restart (a real replica takes ~30 s to come back, longer than the workload).
-fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
+/// `bench scenarios OUT_DIR vllm [hybrid|large]`: the scenarios that fit two cores on two
+/// real vLLM replicas of `model` (32-token blocks; a mixed fleet for the large one, see
+/// [`real_fleet`]), then on two emulated replicas at the same shapes, side by side. Not
+/// here: event-lag (vLLM's event lag cannot be set) and replica-restart (a real replica
+/// takes ~30 s to come back, longer than the workload).
+fn scenarios_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
+    let hybrid = model == BenchModel::Hybrid;
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Run};
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
     const BLOCK: usize = 32;
@@ -1517,8 +1604,9 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let chosen: Vec<scenarios::Scenario> = scenarios::all()
         .into_iter()
-        // A mixed fleet needs replicas of different speeds; these two are one model.
-        .filter(|s| !matches!(s.name, "event-lag" | "replica-restart" | "heterogeneous"))
+        .filter(|s| !matches!(s.name, "event-lag" | "replica-restart"))
+        // A mixed fleet needs replicas of two speeds.
+        .filter(|s| s.slower_first.is_none() || model.has_mixed_fleet())
         .map(|s| scenarios::Scenario { replicas: 2, ..s })
         .map(|s| if hybrid { scenarios::hybrid(s) } else { s })
         .collect();
@@ -1531,7 +1619,7 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
         });
         eprintln!("scenario {} on real vLLM ...", scenario.name);
         let mut spec = VllmSpec {
-            model: if hybrid { "bench-hybrid" } else { "bench" }.to_owned(),
+            model: model.dir().to_owned(),
             block_size: BLOCK,
             max_model_len: 16_384,
             ..VllmSpec::default()
@@ -1544,7 +1632,7 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
             spec.max_model_len = (blocks / if hybrid { 2 } else { 1 } - 2) * BLOCK;
         }
         let mut engine = Engine::Vllm {
-            replicas: VllmProcess::start_all(&[spec.clone(), spec])?,
+            replicas: VllmProcess::start_all(&real_fleet(&spec, scenario))?,
         };
         for profile in PROFILES {
             real.push(scenarios::run(&mut engine, scenario, profile, "", daemons)?);
@@ -1607,39 +1695,51 @@ fn scenarios_vllm(out: &str, hybrid: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `bench peers OUT_DIR vllm`: the peers' workloads on two real vLLM replicas of the
-/// benchmark model (32-token blocks), started once per workload and reset before every
-/// router's run.
-fn peers_vllm(out: &str) -> anyhow::Result<()> {
+/// `bench peers OUT_DIR vllm [large]`: the peers' workloads on two real vLLM replicas of
+/// `model` (32-token blocks; a mixed fleet for the large one, see [`real_fleet`]),
+/// started once per workload and reset before every router's run.
+fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
     use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::{Engine, Scenario};
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
     let spec = VllmSpec {
-        model: "bench".to_owned(),
+        model: model.dir().to_owned(),
         block_size: 32,
         max_model_len: 16_384,
         ..VllmSpec::default()
     };
     let workloads = peers::workloads()
         .into_iter()
-        .filter(|workload| workload.slower_first.is_none())
+        .filter(|workload| workload.slower_first.is_none() || model.has_mixed_fleet())
         .map(|workload| Scenario {
             replicas: 2,
             ..workload
         })
         .collect();
-    let runs = peers::run_all(workloads, |_| {
+    let runs = peers::run_all(workloads, |workload| {
         Ok(Engine::Vllm {
-            replicas: VllmProcess::start_all(&[spec.clone(), spec.clone()])?,
+            replicas: VllmProcess::start_all(&real_fleet(&spec, workload))?,
         })
     })?;
+    let (replicas, workloads, command) = match model {
+        BenchModel::Large => (
+            "the large benchmark model (8 layers, hidden 256: twice the benchmark model's\nlayers; dummy weights, one thread each, 32-token blocks)",
+            "the same four workloads (`heterogeneous` as a mixed fleet: one replica of the\nlarge model beside one of the benchmark model, which serves under the same name with\nthe same tokenizer)",
+            "cargo xtask bench peers --engine vllm --model large",
+        ),
+        _ => (
+            "the benchmark model (4 layers, hidden 256, dummy weights, one thread each,\n32-token blocks)",
+            "the same three workloads (`heterogeneous` needs replicas of two speeds)",
+            "cargo xtask bench peers --engine vllm",
+        ),
+    };
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
-    let md = peers::write_vllm(
+    let md = peers::write_workloads(
         std::path::Path::new(out),
         &runs,
-        "cargo xtask bench peers --engine vllm",
+        &peers::WorkloadsPage::vllm(&spec.version, replicas, workloads),
+        command,
         &machine,
-        &spec.version,
     )?;
     println!("{md}");
     Ok(())

@@ -97,7 +97,8 @@ pub struct PickPolicy {
     /// Prefill cost of a cached prompt token relative to an uncached one (vLLM still
     /// attends over cached tokens; about 0.1 on the calibrated GPT-OSS-20B replica).
     pub cached_token_cost: f64,
-    /// A replica with this many waiting requests is saturated.
+    /// A replica with this many more waiting requests than the least-waiting usable
+    /// replica is saturated.
     pub max_waiting: u32,
     /// A replica with this many seconds of pending prefill, at its own speed, is
     /// saturated.
@@ -131,13 +132,31 @@ impl PickPolicy {
     /// Whether `c` is ranked after every unsaturated replica whatever it holds: too many
     /// waiting, or too much prefill queued (seconds at its own speed, or the operator's
     /// token bound). Public so that a pick that passed over a match can say why.
-    pub fn saturated(&self, c: &Candidate) -> bool {
+    ///
+    /// Waiting counts against the [least-waiting](Self::least_waiting) usable replica's:
+    /// a queue is worth leaving only for a shorter one. Counted from zero, a fleet evenly
+    /// loaded past `max_waiting` (32 sessions on two emulated replicas, each prefilling one
+    /// request at a time) sent every continuation whose replica scraped 8 waiting to one
+    /// that scraped 7, recomputing its prefix there for no shorter wait.
+    pub fn saturated(&self, c: &Candidate, least_waiting: u32) -> bool {
         let pending = c.load.pending_prefill_tokens;
-        c.load.waiting >= self.max_waiting
+        c.load.waiting >= least_waiting.saturating_add(self.max_waiting)
             || match self.max_pending_prefill_tokens {
                 Some(max) => pending >= max,
                 None => c.speed.seconds(pending as f64) >= self.max_pending_prefill_seconds,
             }
+    }
+
+    /// The fewest waiting requests of any usable replica whose stream is there: what
+    /// [`saturated`](Self::saturated) counts a replica's waiting against (0 when none is
+    /// usable, so waiting then counts from zero).
+    pub fn least_waiting(candidates: &[Candidate]) -> u32 {
+        candidates
+            .iter()
+            .filter(|c| c.usable && !c.gone)
+            .map(|c| c.load.waiting)
+            .min()
+            .unwrap_or(0)
     }
 
     fn useful_match(&self, matched: usize) -> usize {
@@ -226,12 +245,15 @@ impl PickPolicy {
         // are sorted: a comparator sort of 1,024 replicas took 12% of the time of
         // `cargo xtask bench scale`. Keys differ in `turn`, so no two tie and an
         // unstable sort or selection orders them as a stable sort would.
+        let least_waiting = Self::least_waiting(candidates);
         let mut keyed: Vec<(RankKey, usize)> = (0..candidates.len())
             .filter_map(|i| {
-                Some((
-                    self.key(request_blocks, candidates, rotation, demand, i)?,
+                let at = Position {
+                    rotation,
+                    least_waiting,
                     i,
-                ))
+                };
+                Some((self.key(request_blocks, candidates, demand, at)?, i))
             })
             .collect();
         let top = top.max(1);
@@ -269,9 +291,17 @@ impl PickPolicy {
     /// lookup asks). A request of no blocks costs the queue in front of it and the
     /// replica's fixed cost, at its speed, whatever a candidate holds.
     pub fn least_busy(&self, candidates: &[Candidate], rotation: usize) -> Option<usize> {
+        let least_waiting = Self::least_waiting(candidates);
         (0..candidates.len())
             .filter(|&i| candidates.get(i).is_some_and(|c| c.usable && !c.gone))
-            .min_by_key(|&i| self.key(0, candidates, rotation, Demand::Own, i))
+            .min_by_key(|&i| {
+                let at = Position {
+                    rotation,
+                    least_waiting,
+                    i,
+                };
+                self.key(0, candidates, Demand::Own, at)
+            })
     }
 
     /// Candidate `i`'s place in [`rank`](Self::rank)'s order, as a key compared field by
@@ -280,16 +310,20 @@ impl PickPolicy {
         &self,
         request_blocks: usize,
         candidates: &[Candidate],
-        rotation: usize,
         demand: Demand,
-        i: usize,
+        at: Position,
     ) -> Option<RankKey> {
+        let Position {
+            rotation,
+            least_waiting,
+            i,
+        } = at;
         let c = candidates.get(i)?;
         let n = candidates.len().max(1);
         Some(RankKey {
             gone: c.gone,
             unusable: !c.usable,
-            saturated: self.saturated(c),
+            saturated: self.saturated(c, least_waiting),
             cost: Seconds(self.cost(request_blocks, c, demand)),
             waiting: c.load.waiting,
             running: c.load.running,
@@ -297,6 +331,15 @@ impl PickPolicy {
             turn: (i + n - rotation % n) % n,
         })
     }
+}
+
+/// Which candidate a [`RankKey`] is made for, with what the fleet around it sets: the
+/// lookup's rotation and the fewest waiting.
+#[derive(Clone, Copy, Debug)]
+struct Position {
+    rotation: usize,
+    least_waiting: u32,
+    i: usize,
 }
 
 /// A candidate's rank, field by field, first difference deciding.
@@ -392,8 +435,38 @@ mod tests {
     #[test]
     fn affinity_yields_to_load_past_saturation() {
         let policy = PickPolicy::default();
-        let (order, reason) = policy.rank(10, &[c(0, 1), c(9, 8)], 0);
+        let (order, reason) = policy.rank(10, &[c(0, 1), c(9, 9)], 0);
         assert_eq!((order, reason), (vec![0, 1], Reason::Saturated));
+    }
+
+    #[test]
+    fn waiting_saturates_only_against_a_shorter_queue() {
+        let policy = PickPolicy::default();
+        // Evenly loaded past the bound: leaving would forfeit the prefix for no shorter
+        // wait, so the warm replica keeps the request...
+        assert_eq!(
+            policy.rank(10, &[c(0, 7), c(9, 8)], 0),
+            (vec![1, 0], Reason::Prefix)
+        );
+        assert_eq!(
+            policy.rank(10, &[c(0, 12), c(9, 19)], 0),
+            (vec![1, 0], Reason::Prefix)
+        );
+        // ...until its queue is the bound longer than the shortest usable one.
+        assert_eq!(
+            policy.rank(10, &[c(0, 12), c(9, 20)], 0),
+            (vec![0, 1], Reason::Saturated)
+        );
+        // A replica that cannot take the request does not shorten the shortest queue.
+        let mut broken = c(0, 0);
+        broken.usable = false;
+        let mut gone = c(0, 0);
+        gone.gone = true;
+        assert_eq!(
+            policy.rank(10, &[broken, gone, c(0, 7), c(9, 8)], 0).0[0],
+            3
+        );
+        assert_eq!(PickPolicy::least_waiting(&[broken, gone]), 0);
     }
 
     #[test]

@@ -105,7 +105,8 @@ pub struct ServeArgs {
     /// others.
     #[arg(long, default_value_t = 500)]
     pub scrape_interval_ms: u64,
-    /// A replica with this many waiting requests is saturated.
+    /// A replica with this many more waiting requests than the least-waiting usable one
+    /// is saturated.
     #[arg(long, default_value_t = PickPolicy::default().max_waiting)]
     pub max_waiting: u32,
     /// A replica with this many seconds of pending prefill, at its measured speed, is

@@ -684,6 +684,7 @@ impl Daemon {
                 .max_by_key(|&i| candidates.get(i).map_or(0, |c| c.matched_blocks));
             if let (Some(first), Some(longest)) = (first, longest) {
                 let policy = &self.settings.policy;
+                let least_waiting = kvaffine_core::PickPolicy::least_waiting(&candidates);
                 let figures = |i: usize| {
                     candidates.get(i).map(|c| {
                         (
@@ -691,7 +692,7 @@ impl Daemon {
                             c.load.waiting,
                             c.load.pending_prefill_tokens,
                             (policy.cost(request_blocks, c, demand) * 1e3).round(),
-                            policy.saturated(c),
+                            policy.saturated(c, least_waiting),
                         )
                     })
                 };

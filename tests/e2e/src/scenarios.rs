@@ -60,6 +60,10 @@ pub struct Run {
     pub replicas: Vec<String>,
     /// Prompt tokens each replica was asked for during the run.
     pub replica_tokens: Vec<u64>,
+    /// What the gateway's kvaffined had learned of each replica when the workload ended
+    /// (`endpoint` and `prefill` of its `/v1/endpoints`): the speeds the last requests
+    /// were ranked at. Empty when that daemon did not answer (a scenario that kills it).
+    pub learned: Vec<Value>,
 }
 
 /// The figures of a run.
@@ -664,6 +668,7 @@ pub fn run_through<T>(
     let start = Instant::now();
     let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack, &mut others))?;
     let wall = start.elapsed();
+    let learned = learned_speeds(&stack.daemon_addr);
     // A counter that went backwards belongs to a restarted replica: all of it is new.
     let replica_tokens = queried_tokens(&ctx.replicas)
         .iter()
@@ -686,7 +691,24 @@ pub fn run_through<T>(
         wall,
         replicas: ctx.replicas.clone(),
         replica_tokens,
+        learned,
     })
+}
+
+/// Each endpoint's `prefill` figures from kvaffined's `/v1/endpoints` at `daemon`; none
+/// if it does not answer.
+fn learned_speeds(daemon: &str) -> Vec<Value> {
+    let (status, text) = vllm_emu::harness::http(daemon, "GET", "/v1/endpoints", "");
+    if status != 200 {
+        return Vec::new();
+    }
+    let endpoints: Value = serde_json::from_str(&text).unwrap_or_default();
+    endpoints["endpoints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| json!({"endpoint": e["endpoint"], "prefill": e["prefill"]}))
+        .collect()
 }
 
 async fn workload(

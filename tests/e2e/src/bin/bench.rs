@@ -89,6 +89,14 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
         bail!("`large` is a real vLLM model: bench scenarios|peers OUT_DIR vllm large");
     }
     // `--time-scale X` anywhere: the emulated scenarios' replicas at another speed.
+    // `--vllm-shapes` anywhere: the emulated scenarios at the real-vLLM runs' shapes.
+    let vllm_shapes = match args.iter().position(|a| a == "--vllm-shapes") {
+        Some(at) => {
+            args.remove(at);
+            true
+        }
+        None => false,
+    };
     let time_scale = match args.iter().position(|a| a == "--time-scale") {
         Some(at) => {
             let value = args
@@ -128,7 +136,8 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
         }
         Some("scenarios") if args.get(2).is_some_and(|a| a == "vllm") => scenarios_vllm(
             args.get(1)
-                .context("usage: bench scenarios OUT_DIR vllm [hybrid|large]")?,
+                .context("usage: bench scenarios OUT_DIR vllm [NAME] [hybrid|large]")?,
+            args.get(3),
             model,
         ),
         Some("scenarios") => scenarios(
@@ -136,6 +145,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             args.get(2).filter(|a| *a != "emu"),
             hybrid,
             time_scale.unwrap_or(kvaffine_e2e::scenarios::TIME_SCALE),
+            vllm_shapes,
         ),
         Some("ingest") => ingest(),
         Some("overload") => overload(),
@@ -162,7 +172,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             }
         }
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm] [hybrid|large] [--time-scale X] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X]"
+            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm [NAME]] [hybrid|large] [--time-scale X] [--vllm-shapes] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X]"
         ),
     }
 }
@@ -1404,14 +1414,24 @@ fn ingest() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `bench scenarios OUT_DIR [NAME] [hybrid] [--time-scale X]`: every scenario (or one)
-/// under every profile (`hybrid`: on replicas serving GPT-OSS's attention layout), the
-/// replicas at `time_scale`.
+/// Replicas of the real-vLLM runs: two fit two cores.
+const REAL_VLLM_REPLICAS: usize = 2;
+
+/// Tokens per block of the real-vLLM runs: the smallest vLLM 0.32.0's CPU attention
+/// backend accepts (it takes only multiples of 32).
+const REAL_VLLM_BLOCK: usize = 32;
+
+/// `bench scenarios OUT_DIR [NAME] [hybrid] [--time-scale X] [--vllm-shapes]`: every
+/// scenario (or one) under every profile (`hybrid`: on replicas serving GPT-OSS's
+/// attention layout), the replicas at `time_scale`; with `vllm_shapes`, on as many
+/// replicas and blocks of as many tokens as the real-vLLM runs, to tell what the emulator
+/// table of those runs shows apart from what running after real vLLM does to it.
 fn scenarios(
     out: &str,
     only: Option<&String>,
     hybrid: bool,
     time_scale: f64,
+    vllm_shapes: bool,
 ) -> anyhow::Result<()> {
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Profile, Run};
     let out = std::path::Path::new(out);
@@ -1427,6 +1447,19 @@ fn scenarios(
         if only.is_some_and(|o| o != scenario.name) {
             continue;
         }
+        let (scenario, block_size) = if vllm_shapes {
+            let scenario = scenarios::Scenario {
+                replicas: REAL_VLLM_REPLICAS,
+                ..scenario
+            };
+            (scenario, REAL_VLLM_BLOCK)
+        } else {
+            (scenario, Engine::emu_at(time_scale).block_size())
+        };
+        let emulated = || Engine::Emu {
+            block_size,
+            time_scale,
+        };
         eprintln!("scenario {} ...", scenario.name);
         if scenario.name == "event-lag" {
             for lag in [0u64, 100, 500, 2000] {
@@ -1449,7 +1482,7 @@ fn scenarios(
                     ),
                 ] {
                     runs.push(scenarios::run(
-                        &mut Engine::emu_at(time_scale),
+                        &mut emulated(),
                         &lagged,
                         profile,
                         &variant,
@@ -1466,7 +1499,7 @@ fn scenarios(
         });
         for profile in PROFILES {
             runs.push(scenarios::run(
-                &mut Engine::emu_at(time_scale),
+                &mut emulated(),
                 &scenario,
                 profile,
                 "",
@@ -1584,32 +1617,43 @@ fn scenario_table(
         )?;
         json_runs.push(json!({"scenario": run.scenario, "profile": run.profile, "requests": f.requests,
             "failed": f.failed, "hit_pct": f.hit_pct, "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
-            "ttft_p99_ms": f.ttft_p99_ms, "throughput_rps": f.throughput, "imbalance": f.imbalance}));
+            "ttft_p99_ms": f.ttft_p99_ms, "throughput_rps": f.throughput, "imbalance": f.imbalance,
+            "learned": run.learned}));
     }
     Ok((md, json_runs))
 }
 
-/// `bench scenarios OUT_DIR vllm [hybrid|large]`: the scenarios that fit two cores on two
-/// real vLLM replicas of `model` (32-token blocks; a mixed fleet for the large one, see
-/// [`real_fleet`]), then on two emulated replicas at the same shapes, side by side. Not
+/// `bench scenarios OUT_DIR vllm [NAME] [hybrid|large]`: the scenarios that fit two cores
+/// (or the one named) on two real vLLM replicas of `model` (32-token blocks; a mixed fleet
+/// for the large one, see [`real_fleet`]), then on two emulated replicas at the same
+/// shapes, side by side. Not
 /// here: event-lag (vLLM's event lag cannot be set) and replica-restart (a real replica
 /// takes ~30 s to come back, longer than the workload).
-fn scenarios_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
+fn scenarios_vllm(out: &str, only: Option<&String>, model: BenchModel) -> anyhow::Result<()> {
     let hybrid = model == BenchModel::Hybrid;
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Run};
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
-    const BLOCK: usize = 32;
+    const BLOCK: usize = REAL_VLLM_BLOCK;
     let out = std::path::Path::new(out);
     std::fs::create_dir_all(out)?;
     let started = std::time::Instant::now();
     let chosen: Vec<scenarios::Scenario> = scenarios::all()
         .into_iter()
         .filter(|s| !matches!(s.name, "event-lag" | "replica-restart"))
+        .filter(|s| only.is_none_or(|o| o == s.name))
         // A mixed fleet needs replicas of two speeds.
         .filter(|s| s.slower_first.is_none() || model.has_mixed_fleet())
-        .map(|s| scenarios::Scenario { replicas: 2, ..s })
+        .map(|s| scenarios::Scenario {
+            replicas: REAL_VLLM_REPLICAS,
+            ..s
+        })
         .map(|s| if hybrid { scenarios::hybrid(s) } else { s })
         .collect();
+    anyhow::ensure!(
+        !chosen.is_empty(),
+        "no scenario called {} runs on real vLLM with this model",
+        only.map_or("", String::as_str)
+    );
     let (mut real, mut emulated): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
     for scenario in &chosen {
         let daemons = scenarios::Topology::Daemons(if scenario.name == "daemon-failover" {
@@ -1704,7 +1748,7 @@ fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
     let spec = VllmSpec {
         model: model.dir().to_owned(),
-        block_size: 32,
+        block_size: REAL_VLLM_BLOCK,
         max_model_len: 16_384,
         ..VllmSpec::default()
     };
@@ -1712,7 +1756,7 @@ fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
         .into_iter()
         .filter(|workload| workload.slower_first.is_none() || model.has_mixed_fleet())
         .map(|workload| Scenario {
-            replicas: 2,
+            replicas: REAL_VLLM_REPLICAS,
             ..workload
         })
         .collect();

@@ -134,10 +134,11 @@ impl PickPolicy {
     /// token bound). Public so that a pick that passed over a match can say why.
     ///
     /// Waiting counts against the [least-waiting](Self::least_waiting) usable replica's:
-    /// a queue is worth leaving only for a shorter one. Counted from zero, a fleet evenly
-    /// loaded past `max_waiting` (32 sessions on two emulated replicas, each prefilling one
-    /// request at a time) sent every continuation whose replica scraped 8 waiting to one
-    /// that scraped 7, recomputing its prefix there for no shorter wait.
+    /// a queue is worth leaving only for a clearly shorter one. Counted from zero, a fleet
+    /// evenly loaded near `max_waiting` (32 sessions on two emulated replicas, each
+    /// prefilling one request at a time) passed over a warm replica that scraped 8 waiting
+    /// for one that scraped 3 and recomputed a 41-block prefix there (the daemon's debug
+    /// log, 2026-12-05), until that one's queue turned the flow back.
     pub fn saturated(&self, c: &Candidate, least_waiting: u32) -> bool {
         let pending = c.load.pending_prefill_tokens;
         c.load.waiting >= least_waiting.saturating_add(self.max_waiting)

@@ -668,7 +668,11 @@ pub fn run_through<T>(
     let start = Instant::now();
     let turns = runtime.block_on(workload(scenario.name, &ctx, &mut stack, &mut others))?;
     let wall = start.elapsed();
-    let learned = learned_speeds(&stack.daemon_addr);
+    let learned = stack
+        .endpoints()
+        .iter()
+        .map(|e| json!({"endpoint": e["endpoint"], "prefill": e["prefill"]}))
+        .collect();
     // A counter that went backwards belongs to a restarted replica: all of it is new.
     let replica_tokens = queried_tokens(&ctx.replicas)
         .iter()
@@ -693,22 +697,6 @@ pub fn run_through<T>(
         replica_tokens,
         learned,
     })
-}
-
-/// Each endpoint's `prefill` figures from kvaffined's `/v1/endpoints` at `daemon`; none
-/// if it does not answer.
-fn learned_speeds(daemon: &str) -> Vec<Value> {
-    let (status, text) = vllm_emu::harness::http(daemon, "GET", "/v1/endpoints", "");
-    if status != 200 {
-        return Vec::new();
-    }
-    let endpoints: Value = serde_json::from_str(&text).unwrap_or_default();
-    endpoints["endpoints"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|e| json!({"endpoint": e["endpoint"], "prefill": e["prefill"]}))
-        .collect()
 }
 
 async fn workload(

@@ -1424,8 +1424,8 @@ const REAL_VLLM_BLOCK: usize = 32;
 /// `bench scenarios OUT_DIR [NAME] [hybrid] [--time-scale X] [--vllm-shapes]`: every
 /// scenario (or one) under every profile (`hybrid`: on replicas serving GPT-OSS's
 /// attention layout), the replicas at `time_scale`; with `vllm_shapes`, on as many
-/// replicas and blocks of as many tokens as the real-vLLM runs, to tell what the emulator
-/// table of those runs shows apart from what running after real vLLM does to it.
+/// replicas and blocks of as many tokens as the real-vLLM runs: their emulator table,
+/// one scenario at a time and without starting real vLLM.
 fn scenarios(
     out: &str,
     only: Option<&String>,
@@ -1626,14 +1626,12 @@ fn scenario_table(
 /// `bench scenarios OUT_DIR vllm [NAME] [hybrid|large]`: the scenarios that fit two cores
 /// (or the one named) on two real vLLM replicas of `model` (32-token blocks; a mixed fleet
 /// for the large one, see [`real_fleet`]), then on two emulated replicas at the same
-/// shapes, side by side. Not
-/// here: event-lag (vLLM's event lag cannot be set) and replica-restart (a real replica
-/// takes ~30 s to come back, longer than the workload).
+/// shapes, side by side. Not here: event-lag (vLLM's event lag cannot be set) and
+/// replica-restart (a real replica takes ~30 s to come back, longer than the workload).
 fn scenarios_vllm(out: &str, only: Option<&String>, model: BenchModel) -> anyhow::Result<()> {
     let hybrid = model == BenchModel::Hybrid;
     use kvaffine_e2e::scenarios::{self, Engine, PROFILES, Run};
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
-    const BLOCK: usize = REAL_VLLM_BLOCK;
     let out = std::path::Path::new(out);
     std::fs::create_dir_all(out)?;
     let started = std::time::Instant::now();
@@ -1664,16 +1662,16 @@ fn scenarios_vllm(out: &str, only: Option<&String>, model: BenchModel) -> anyhow
         eprintln!("scenario {} on real vLLM ...", scenario.name);
         let mut spec = VllmSpec {
             model: model.dir().to_owned(),
-            block_size: BLOCK,
+            block_size: REAL_VLLM_BLOCK,
             max_model_len: 16_384,
             ..VllmSpec::default()
         };
         if let Some(tokens) = scenario.kv_tokens {
-            let blocks = tokens / BLOCK;
+            let blocks = tokens / REAL_VLLM_BLOCK;
             spec.extra_args = vec!["--num-gpu-blocks-override".into(), blocks.to_string()];
             // vLLM refuses a model length its cache cannot hold (less one reserved block;
             // a hybrid model holds it in each of its two groups).
-            spec.max_model_len = (blocks / if hybrid { 2 } else { 1 } - 2) * BLOCK;
+            spec.max_model_len = (blocks / if hybrid { 2 } else { 1 } - 2) * REAL_VLLM_BLOCK;
         }
         let mut engine = Engine::Vllm {
             replicas: VllmProcess::start_all(&real_fleet(&spec, scenario))?,
@@ -1686,7 +1684,7 @@ fn scenarios_vllm(out: &str, only: Option<&String>, model: BenchModel) -> anyhow
         for profile in PROFILES {
             emulated.push(scenarios::run(
                 &mut Engine::Emu {
-                    block_size: BLOCK,
+                    block_size: REAL_VLLM_BLOCK,
                     time_scale: scenarios::TIME_SCALE,
                 },
                 scenario,
@@ -1746,6 +1744,19 @@ fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
     use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::{Engine, Scenario};
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
+    let (replicas, described, command) = match model {
+        BenchModel::Hybrid => bail!("the peers run on the benchmark model or the large one"),
+        BenchModel::Large => (
+            "the large benchmark model (8 layers, hidden 256: twice the benchmark model's\nlayers; dummy weights, one thread each, 32-token blocks)",
+            "the same four workloads (`heterogeneous` as a mixed fleet: one replica of the\nlarge model beside one of the benchmark model, which serves under the same name with\nthe same tokenizer)",
+            "cargo xtask bench peers --engine vllm --model large",
+        ),
+        BenchModel::Bench => (
+            "the benchmark model (4 layers, hidden 256, dummy weights, one thread each,\n32-token blocks)",
+            "the same three workloads (`heterogeneous` needs replicas of two speeds)",
+            "cargo xtask bench peers --engine vllm",
+        ),
+    };
     let spec = VllmSpec {
         model: model.dir().to_owned(),
         block_size: REAL_VLLM_BLOCK,
@@ -1765,23 +1776,11 @@ fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
             replicas: VllmProcess::start_all(&real_fleet(&spec, workload))?,
         })
     })?;
-    let (replicas, workloads, command) = match model {
-        BenchModel::Large => (
-            "the large benchmark model (8 layers, hidden 256: twice the benchmark model's\nlayers; dummy weights, one thread each, 32-token blocks)",
-            "the same four workloads (`heterogeneous` as a mixed fleet: one replica of the\nlarge model beside one of the benchmark model, which serves under the same name with\nthe same tokenizer)",
-            "cargo xtask bench peers --engine vllm --model large",
-        ),
-        _ => (
-            "the benchmark model (4 layers, hidden 256, dummy weights, one thread each,\n32-token blocks)",
-            "the same three workloads (`heterogeneous` needs replicas of two speeds)",
-            "cargo xtask bench peers --engine vllm",
-        ),
-    };
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
     let md = peers::write_workloads(
         std::path::Path::new(out),
         &runs,
-        &peers::WorkloadsPage::vllm(&spec.version, replicas, workloads),
+        &peers::WorkloadsPage::vllm(&spec.version, replicas, described),
         command,
         &machine,
     )?;

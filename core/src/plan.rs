@@ -12,6 +12,16 @@ use crate::request::{self, ChatInput, RequestError};
 use crate::salt::CacheSalt;
 use crate::tokens::PromptKeys;
 
+/// vLLM's tokenizer endpoints, the only paths a tokenizer call goes to.
+pub const TOKENIZE_PATH: &str = "/tokenize";
+/// The renderer chat completions use (`chat_tokenize: render`).
+pub const CHAT_RENDER_PATH: &str = "/v1/chat/completions/render";
+/// The renderer Responses use (`responses_tokenize: render`).
+pub const RESPONSES_RENDER_PATH: &str = "/v1/responses/render";
+/// Every path [`Action::Tokenize`] names: the index makes a filter's tokenizer call only
+/// to one of these.
+pub const TOKENIZER_PATHS: [&str; 3] = [TOKENIZE_PATH, CHAT_RENDER_PATH, RESPONSES_RENDER_PATH];
+
 /// Why a request is forwarded without a pick. Every variant is a pass-through with the
 /// body unchanged: the replica answers it as it would without kvaffine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,7 +58,7 @@ impl Skip {
 pub enum Action {
     /// Call the tokenizer: `POST path` with `body`.
     Tokenize {
-        /// `/tokenize` or `/v1/responses/render`.
+        /// One of [`TOKENIZER_PATHS`].
         path: &'static str,
         /// The JSON body.
         body: Vec<u8>,
@@ -224,7 +234,7 @@ fn plan_api(
                 Mode::Approximate => approximate(&chat_text(messages)),
                 // The renderer chat completions use takes the body as the client sent it.
                 _ if router.config.chat_tokenize == ChatTokenize::Render => Action::Tokenize {
-                    path: "/v1/chat/completions/render",
+                    path: CHAT_RENDER_PATH,
                     body: body.to_vec(),
                 },
                 // `/tokenize` accepts and ignores the chat-completions fields it does not
@@ -232,7 +242,7 @@ fn plan_api(
                 // `reasoning_effort` folded into the template arguments (`/tokenize`
                 // cannot take it).
                 _ if no_effort && !unnamed => Action::Tokenize {
-                    path: "/tokenize",
+                    path: TOKENIZE_PATH,
                     body: body.to_vec(),
                 },
                 _ if no_effort => {
@@ -243,7 +253,7 @@ fn plan_api(
                         name_reasoning(messages);
                     }
                     Action::Tokenize {
-                        path: "/tokenize",
+                        path: TOKENIZE_PATH,
                         body: patched.to_string().into_bytes(),
                     }
                 }
@@ -256,7 +266,7 @@ fn plan_api(
                         chat_template_kwargs: kwargs,
                     };
                     Action::Tokenize {
-                        path: "/tokenize",
+                        path: TOKENIZE_PATH,
                         body: tokenize_chat_body(model, &input, value),
                     }
                 }
@@ -267,7 +277,7 @@ fn plan_api(
                 Mode::Approximate => approximate(prompt),
                 // The completion form of `/tokenize` ignores the other fields too.
                 _ => Action::Tokenize {
-                    path: "/tokenize",
+                    path: TOKENIZE_PATH,
                     body: body.to_vec(),
                 },
             },
@@ -292,11 +302,11 @@ fn plan_api(
             match (mode, router.config.responses_tokenize) {
                 (Mode::Approximate, _) => approximate(&chat_text(&input.messages)),
                 (_, ResponsesTokenize::Render) => Action::Tokenize {
-                    path: "/v1/responses/render",
+                    path: RESPONSES_RENDER_PATH,
                     body: body.to_vec(),
                 },
                 (_, ResponsesTokenize::Convert) => Action::Tokenize {
-                    path: "/tokenize",
+                    path: TOKENIZE_PATH,
                     body: tokenize_chat_body(model, &input, value),
                 },
             }

@@ -12,8 +12,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::approximate::TextKey;
-use crate::keys::BlockKey;
+use crate::config::{Router, RoutingConfig};
+use crate::keys::{BlockKey, KeyExtras, LoraAdapter};
 use crate::reason::Reason;
+use crate::salt::CacheSalt;
 
 /// Where protocol-2 lookups go.
 pub const LOOKUP_PATH: &str = "/v2/lookup";
@@ -236,6 +238,153 @@ pub struct SaltAnswer {
 
 /// Reads a [`SaltAnswer`].
 pub fn read_salt_answer(bytes: &[u8]) -> Result<SaltAnswer, LookupError> {
+    serde_json::from_slice(bytes).map_err(|_| LookupError::Malformed)
+}
+
+/// Where a filter hands the index a request's tokenizer call, to make it, key its answer
+/// and look up in one callout (a path of its own: daemons before it answer 404, and the
+/// filter then calls the tokenizer itself). One callout instead of two saves the gateway a
+/// round of its callout machinery and the token list a copy into the filter's VM.
+pub const ROUTE_PATH: &str = "/v2/route";
+
+/// What a request's keys are made with: the settings that must match the replicas' (the
+/// filter's, so that both ways of keying agree) and the request's own extras.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeySettings {
+    /// vLLM's `--block-size`.
+    pub block_size: usize,
+    /// vLLM's `--prefix-caching-hash-algo`.
+    pub hash_algo: String,
+    /// The replicas' `PYTHONHASHSEED`, if set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash_seed: Option<String>,
+    /// The extra-key encoding (`0.31` or `0.30`).
+    pub vllm_compat: String,
+    /// The request's `cache_salt`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
+    /// The request's LoRA adapter: its name and its path as the replicas loaded it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<(String, String)>,
+}
+
+impl KeySettings {
+    /// The settings of `router` with a request's `extras`.
+    pub fn of(router: &Router, extras: &KeyExtras) -> Self {
+        let config = &router.config;
+        Self {
+            block_size: config.block_size,
+            hash_algo: config.hash_algo.clone(),
+            hash_seed: config.hash_seed.clone(),
+            vllm_compat: config.vllm_compat.clone(),
+            cache_salt: extras.cache_salt.as_ref().map(|s| s.as_str().to_owned()),
+            lora: extras
+                .lora
+                .as_ref()
+                .map(|l| (l.name.clone(), l.path.clone())),
+        }
+    }
+
+    /// The router and extras these settings describe, validated as the filter validates
+    /// its own.
+    pub fn keying(&self) -> Result<(Router, KeyExtras), String> {
+        let config: RoutingConfig = serde_json::from_value(serde_json::json!({
+            "block_size": self.block_size,
+            "hash_algo": self.hash_algo,
+            "hash_seed": self.hash_seed,
+            "vllm_compat": self.vllm_compat,
+        }))
+        .map_err(|e| e.to_string())?;
+        let router = Router::new(config).map_err(|e| e.to_string())?;
+        let cache_salt = self
+            .cache_salt
+            .as_deref()
+            .map(CacheSalt::parse)
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        let lora = self.lora.as_ref().map(|(name, path)| LoraAdapter {
+            name: name.clone(),
+            path: path.clone(),
+        });
+        Ok((router, KeyExtras { lora, cache_salt }))
+    }
+}
+
+/// A request's tokenizer call for the index to make ([`ROUTE_PATH`]). On the wire this is
+/// one JSON line, then the tokenizer call's body exactly as the replica takes it, so the
+/// body is neither escaped nor parsed on the way.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRequest {
+    /// The tokenizer path, one of [`crate::plan::TOKENIZER_PATHS`].
+    pub path: String,
+    /// How to key the tokens.
+    pub keys: KeySettings,
+    /// Only replicas serving this model (or not yet known to serve another) are ranked,
+    /// and the tokenizer call goes to one of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Book the first-ranked replica for the keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub book: Option<Booking>,
+    /// How many ranked candidates to answer, at least 1.
+    #[serde(default = "one")]
+    pub candidates: usize,
+    /// Ask about the request's salt first: when no replica can hold it, the request is
+    /// routed as the probe routes it, with no tokenizer call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe: Option<SaltProbe>,
+    /// The filter's deadline for the whole callout, milliseconds: the tokenizer call
+    /// gets no longer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+impl RouteRequest {
+    /// The body: this request's JSON line, then the tokenizer call's body.
+    pub fn to_body(&self, call: &[u8]) -> Vec<u8> {
+        let mut body = serde_json::to_vec(self).unwrap_or_default();
+        body.reserve(call.len() + 1);
+        // JSON text carries newlines escaped, so the first one ends the line.
+        body.push(b'\n');
+        body.extend_from_slice(call);
+        body
+    }
+
+    /// Splits a body into the request and its tokenizer call's body.
+    pub fn read(body: &[u8]) -> Result<(Self, &[u8]), String> {
+        let (line, call) = body
+            .iter()
+            .position(|&b| b == b'\n')
+            .and_then(|split| Some((body.get(..split)?, body.get(split + 1..)?)))
+            .ok_or("a route body is a JSON line, a newline, then the tokenizer call's body")?;
+        let request: Self = serde_json::from_slice(line).map_err(|e| e.to_string())?;
+        if request.candidates == 0 {
+            return Err("`candidates` must be at least 1".into());
+        }
+        if !crate::plan::TOKENIZER_PATHS.contains(&request.path.as_str()) {
+            return Err(format!("{:?} is not a tokenizer path", request.path));
+        }
+        Ok((request, call))
+    }
+}
+
+/// The answer to a [`RouteRequest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteAnswer {
+    /// The lookup's answer, as `/v2/lookup` gives it (or the salt probe's route).
+    pub route: LookupAnswer,
+    /// The prompt's tokens, when it was tokenized; absent when the salt probe routed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    /// Where the tokenizer call went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenized_at: Option<String>,
+}
+
+/// Reads a [`RouteAnswer`].
+pub fn read_route_answer(bytes: &[u8]) -> Result<RouteAnswer, LookupError> {
     serde_json::from_slice(bytes).map_err(|_| LookupError::Malformed)
 }
 
@@ -499,6 +648,60 @@ mod tests {
 
     fn answer(json: &str) -> LookupAnswer {
         read_answer(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_route_body_is_a_line_then_the_call_verbatim_and_keys_as_the_filter_keys() {
+        let router = Router::from_json(
+            br#"{"block_size":4,"hash_algo":"sha256_cbor","hash_seed":"7","vllm_compat":"0.31"}"#,
+        )
+        .unwrap();
+        let extras = KeyExtras {
+            lora: Some(LoraAdapter {
+                name: "ad".into(),
+                path: "/a/d".into(),
+            }),
+            cache_salt: Some(CacheSalt::parse("tenant\nline").unwrap()),
+        };
+        let request = RouteRequest {
+            path: "/tokenize".into(),
+            keys: KeySettings::of(&router, &extras),
+            model: Some("m".into()),
+            book: Some(Booking::default()),
+            candidates: 2,
+            probe: None,
+            timeout_ms: Some(300),
+        };
+        // A call body with newlines of its own stays as it was.
+        let call = b"{\"prompt\":\"a\"}\n\n";
+        let body = request.to_body(call);
+        let (back, back_call) = RouteRequest::read(&body).unwrap();
+        assert_eq!((&back, back_call), (&request, &call[..]));
+        let (keyed_router, keyed_extras) = back.keys.keying().unwrap();
+        assert_eq!(keyed_extras, extras);
+        let tokens: Vec<u32> = (0..13).collect();
+        assert_eq!(
+            crate::tokens::block_keys(&keyed_router, &keyed_extras, &tokens, None),
+            crate::tokens::block_keys(&router, &extras, &tokens, None)
+        );
+        // Only tokenizer paths, a line, at least one candidate, valid key settings.
+        let elsewhere = RouteRequest {
+            path: "/v1/chat/completions".into(),
+            ..request.clone()
+        };
+        assert!(RouteRequest::read(&elsewhere.to_body(call)).is_err());
+        assert!(RouteRequest::read(br#"{"path":"/tokenize"}"#).is_err());
+        let none = RouteRequest {
+            candidates: 0,
+            ..request.clone()
+        };
+        assert!(RouteRequest::read(&none.to_body(call)).is_err());
+        let mut bad_algo = request.keys.clone();
+        bad_algo.hash_algo = "md5".into();
+        assert!(bad_algo.keying().is_err());
+        let mut bad_salt = request.keys;
+        bad_salt.cache_salt = Some(String::new());
+        assert!(bad_salt.keying().is_err());
     }
 
     #[test]

@@ -86,6 +86,12 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route(protocol::LOOKUP_PATH, post(lookup))
         .route(v1::LOOKUP_PATH, post(lookup_v1))
         .route(protocol::SALT_PATH, post(salt_probe))
+        .route(
+            protocol::ROUTE_PATH,
+            post(crate::route::route).layer(axum::extract::DefaultBodyLimit::max(
+                crate::route::MAX_ROUTE_BODY_BYTES,
+            )),
+        )
         .route_layer(shed)
         .route("/v1/endpoints", get(endpoints))
         .route(

@@ -22,6 +22,7 @@ pub mod keys_cmd;
 pub mod metrics;
 pub mod outcomes;
 pub mod peers;
+pub mod route;
 pub mod salts;
 pub mod scrape;
 pub mod serve;

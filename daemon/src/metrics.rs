@@ -87,6 +87,10 @@ pub struct Metrics {
     pub booked_keys: Gauge,
     /// Lookup handling time, seconds.
     pub lookup_seconds: Histogram,
+    /// Tokenizer calls made for routed requests (`/v2/route`), seconds.
+    pub route_tokenize_seconds: Histogram,
+    /// Those that failed (no replica, an error, a timeout, no token list).
+    pub route_tokenize_failures: Counter,
     /// 1 for the endpoint's current alignment mode.
     pub alignment: Family<ModeLabel, Gauge>,
     /// 1 while the endpoint's settings do not match the daemon's.
@@ -148,6 +152,18 @@ impl Default for Metrics {
         let index_bytes = Gauge::default();
         let booked_keys = Gauge::default();
         let lookup_seconds = Histogram::new(exponential_buckets(0.000_002, 2.0, 16));
+        let route_tokenize_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 16));
+        let route_tokenize_failures = Counter::default();
+        registry.register(
+            "route_tokenize_seconds",
+            "Tokenizer calls this daemon made for requests a filter handed it whole (POST /v2/route), from sending to the token list",
+            route_tokenize_seconds.clone(),
+        );
+        registry.register(
+            "route_tokenize_failures",
+            "Of those, the ones that failed (no replica to call, an error status, a timeout, no token list): the filter routes them by their text instead",
+            route_tokenize_failures.clone(),
+        );
         let alignment = Family::<ModeLabel, Gauge>::default();
         let misconfigured = Family::<EndpointLabel, Gauge>::default();
         let kv_cache_unsupported = Family::<EndpointLabel, Gauge>::default();
@@ -338,6 +354,8 @@ impl Default for Metrics {
             index_bytes,
             booked_keys,
             lookup_seconds,
+            route_tokenize_seconds,
+            route_tokenize_failures,
             alignment,
             misconfigured,
             kv_cache_unsupported,

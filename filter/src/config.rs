@@ -98,6 +98,16 @@ pub struct GatewayConfig {
     /// could not tell whether it makes the bad mode more likely (`docs/daemon.md`).
     #[serde(default)]
     pub salt_probes: bool,
+    /// Hand each request's tokenizer call to the index (`POST /v2/route`): kvaffined
+    /// calls the least busy replica's tokenizer, keys its answer with this configuration's
+    /// key settings and looks up, all in one callout, so the gateway makes one callout per
+    /// request instead of two (with `salt_probes`, the probe rides on it too). The
+    /// tokenizer cluster is then used only by an index before `/v2/route` (answering 404),
+    /// and the replicas kvaffined follows must serve the tokenizer. A route can choose
+    /// with route metadata `filter_metadata.kvaffine.tokenize_at`: `index` or `gateway`.
+    /// Off by default.
+    #[serde(default)]
+    pub tokenize_at_index: bool,
 }
 
 impl GatewayConfig {

@@ -30,8 +30,8 @@ use kvaffine_core::config::{Mode, Router};
 use kvaffine_core::outcome::{self, Outcome, Outcomes, StreamUsage};
 use kvaffine_core::plan::{self, Action as Step, Plan};
 use kvaffine_core::protocol::{
-    self, Booking, HeldSalts, LookupAnswer, LookupError, LookupRequest, Pick, Query, SaltProbe,
-    TokenizerHints, v1,
+    self, Booking, HeldSalts, KeySettings, LookupAnswer, LookupError, LookupRequest, Pick, Query,
+    RouteRequest, SaltProbe, TokenizerHints, v1,
 };
 use kvaffine_core::tokens::TokensPerByte;
 use kvaffine_core::{DigestCache, Reason, tokens};
@@ -61,7 +61,7 @@ const REASON_HEADER: &str = "x-kvaffine-reason";
 const MODE_HEADER: &str = "x-kvaffine-mode";
 /// Envoy's per-try timeout, which ends with the first response headers.
 const PER_TRY_TIMEOUT_HEADER: &str = "x-envoy-upstream-rq-per-try-timeout-ms";
-/// Route metadata namespace for per-route settings (`mode`).
+/// Route metadata namespace for per-route settings (`mode`, `tokenize_at`).
 const METADATA_NAMESPACE: &str = "kvaffine";
 
 /// Block digests remembered per VM: about 64 k blocks (3 MB), enough for the recent
@@ -106,6 +106,8 @@ struct Root {
     digests: Option<Rc<RefCell<DigestCache>>>,
     /// Until when the index is known to speak protocol 1 only.
     protocol_1_until: Rc<Cell<Option<SystemTime>>>,
+    /// Until when the index is known not to take route callouts (a daemon before them).
+    routes_refused_until: Rc<Cell<Option<SystemTime>>>,
     outcomes: OutcomeQueue,
     tokenizer_hints: SharedHints,
     salts: Rc<RefCell<SaltMemory>>,
@@ -290,6 +292,8 @@ impl RootContext for Root {
             stats,
             digests: self.digests.clone()?,
             protocol_1_until: self.protocol_1_until.clone(),
+            routes_refused_until: self.routes_refused_until.clone(),
+            tokenize_at_index: false,
             phase: Phase::Idle,
             started: None,
             mode: Mode::Precise,
@@ -332,6 +336,17 @@ enum Phase {
         body: Vec<u8>,
         since: SystemTime,
         salt: u64,
+    },
+    /// Waiting for the index to tokenize, key and look up (the body and plan are kept to
+    /// route the usual way if it cannot).
+    Routing {
+        token: u32,
+        api: Api,
+        plan: Plan,
+        body: Vec<u8>,
+        since: SystemTime,
+        /// The salt probed on the way, if any.
+        salt: Option<u64>,
     },
     /// Waiting for the index (the lookup is kept to ask again in protocol 1).
     LookingUp {
@@ -381,6 +396,10 @@ struct Request {
     stats: Rc<Stats>,
     digests: Rc<RefCell<DigestCache>>,
     protocol_1_until: Rc<Cell<Option<SystemTime>>>,
+    routes_refused_until: Rc<Cell<Option<SystemTime>>>,
+    /// This request's tokenizer call goes to the index (`tokenize_at_index`, or the
+    /// route's `tokenize_at`).
+    tokenize_at_index: bool,
     phase: Phase,
     started: Option<SystemTime>,
     mode: Mode,
@@ -427,17 +446,31 @@ fn request_header(name: &str) -> Option<Vec<u8>> {
         .flatten()
 }
 
-/// A per-route mode from route metadata (`filter_metadata.kvaffine.mode`), if set.
-fn route_mode() -> Option<Mode> {
+/// A per-route setting from route metadata (`filter_metadata.kvaffine.<name>`), if set.
+fn route_metadata(name: &str) -> Option<Vec<u8>> {
     let path = vec![
         "xds",
         "route_metadata",
         "filter_metadata",
         METADATA_NAMESPACE,
-        "mode",
+        name,
     ];
-    let value = hostcalls::get_property(path).ok().flatten()?;
-    Mode::parse(&value)
+    hostcalls::get_property(path).ok().flatten()
+}
+
+/// A per-route mode from route metadata (`filter_metadata.kvaffine.mode`), if set.
+fn route_mode() -> Option<Mode> {
+    Mode::parse(&route_metadata("mode")?)
+}
+
+/// Where a route's tokenizer calls are made, from route metadata
+/// (`filter_metadata.kvaffine.tokenize_at`: `index` or `gateway`), if set.
+fn route_tokenizes_at_index() -> Option<bool> {
+    match route_metadata("tokenize_at")?.as_slice() {
+        b"index" => Some(true),
+        b"gateway" => Some(false),
+        _ => None,
+    }
 }
 
 impl Request {
@@ -636,11 +669,123 @@ impl Request {
             Step::LoadOnly => self.lookup(Query::Blocks(Vec::new())),
             Step::Lookup(prompt) => self.lookup(Query::Blocks(prompt.into_servable())),
             Step::Approximate(keys) => self.lookup(Query::Text(keys)),
-            Step::Tokenize { .. } => match self.salt_to_probe(&plan) {
-                Some(salt) => self.probe(api, plan, body, salt),
-                None => self.tokenize(api, plan, body),
-            },
+            Step::Tokenize { .. } if self.routes_at_index() => self.route(api, plan, body),
+            Step::Tokenize { .. } => self.tokenize_here(api, plan, body),
         }
+    }
+
+    /// The tokenizer call made by the filter itself, after a salt probe where one is due;
+    /// true if the request stays paused.
+    fn tokenize_here(&mut self, api: Api, plan: Plan, body: Vec<u8>) -> bool {
+        match self.salt_to_probe(&plan) {
+            Some(salt) => self.probe(api, plan, body, salt),
+            None => self.tokenize(api, plan, body),
+        }
+    }
+
+    /// Whether this request's tokenizer call goes to the index: asked for, and the index
+    /// is not known to refuse it (a daemon before route callouts, or protocol 1 only).
+    fn routes_at_index(&self) -> bool {
+        let refused = |until: &Cell<Option<SystemTime>>| until.get().is_some_and(|u| now() < u);
+        self.tokenize_at_index
+            && !refused(&self.routes_refused_until)
+            && !refused(&self.protocol_1_until)
+    }
+
+    /// Hands the tokenizer call to the index, with the salt probe if one is due; true if
+    /// the request stays paused.
+    fn route(&mut self, api: Api, plan: Plan, body: Vec<u8>) -> bool {
+        let Step::Tokenize { path, body: call } = &plan.action else {
+            return self.tokenize_here(api, plan, body);
+        };
+        let salt = self.salt_to_probe(&plan);
+        let routing = &self.router().config;
+        let request = RouteRequest {
+            path: (*path).to_owned(),
+            keys: KeySettings::of(self.router(), &plan.extras),
+            model: self.model.clone(),
+            book: routing.book.then(Booking::default),
+            candidates: 1 + routing.fallbacks,
+            probe: salt.map(|salt| self.salt_probe(api, &plan, &body, salt)),
+            timeout_ms: Some(self.gateway().timeout_ms),
+        };
+        let payload = request.to_body(call);
+        let gateway = self.gateway();
+        match callout(
+            gateway,
+            &gateway.index_cluster,
+            gateway.index_authority(),
+            protocol::ROUTE_PATH,
+            &payload,
+            self.config.index_token.as_deref(),
+            None,
+        ) {
+            Some(token) => {
+                self.phase = Phase::Routing {
+                    token,
+                    api,
+                    plan,
+                    body,
+                    since: now(),
+                    salt,
+                };
+                true
+            }
+            None => self.tokenize_here(api, plan, body),
+        }
+    }
+
+    /// The index's answer to a route callout: pinned, or routed as the filter would have
+    /// without it; true if the request stays paused.
+    fn on_routed(
+        &mut self,
+        api: Api,
+        plan: Plan,
+        body: Vec<u8>,
+        since: SystemTime,
+        salt: Option<u64>,
+    ) -> bool {
+        self.stats.route_latency(elapsed_us(since));
+        match call_status() {
+            Some(200) => {}
+            // A daemon before route callouts: the filter tokenizes itself for a while.
+            Some(404 | 405) => {
+                if self.routes_refused_until.get().is_none() {
+                    log(
+                        LogLevel::Info,
+                        "kvaffine: the index does not take /v2/route (an older kvaffined); the filter calls the tokenizer itself",
+                    );
+                }
+                self.routes_refused_until
+                    .set(Some(now() + PROTOCOL_1_RECHECK));
+                return self.tokenize_here(api, plan, body);
+            }
+            // This request's body or settings were refused (too large, a key setting the
+            // index does not know): the filter's own way still works.
+            Some(400 | 413) => return self.tokenize_here(api, plan, body),
+            // The index could not tokenize (no replica, an error): as a failed tokenizer
+            // call, the text routes it.
+            Some(502) => return self.approximate_fallback(api, &plan, &body),
+            _ => {
+                self.unpinned(Reason::IndexUnavailable);
+                return false;
+            }
+        }
+        let Some(answer) = call_body().and_then(|a| protocol::read_route_answer(&a).ok()) else {
+            self.unpinned(Reason::IndexUnavailable);
+            return false;
+        };
+        if let (Some(tokens), Ok(mut salts)) = (answer.tokens, self.salts.try_borrow_mut()) {
+            salts.tokens_per_byte.learn(body.len(), tokens);
+            // Probed and tokenized anyway: a replica holds the salt, so its next requests
+            // skip the probe.
+            if let Some(salt) = salt {
+                salts.held.insert(salt);
+            }
+        }
+        self.note_hint(answer.route.tokenize_at.as_deref());
+        self.pin_answer(Some(Ok(answer.route)));
+        false
     }
 
     /// The tag of the request's salt, when the index should be asked about it before
@@ -662,22 +807,27 @@ impl Request {
         (!protocol_1 && !refused && !salts.held.contains(salt)).then_some(salt)
     }
 
-    /// Asks the index whether a replica holds `salt`; true if the request stays paused.
-    fn probe(&mut self, api: Api, plan: Plan, body: Vec<u8>, salt: u64) -> bool {
+    /// The salt probe for a request of `salt`.
+    fn salt_probe(&self, api: Api, plan: &Plan, body: &[u8], salt: u64) -> SaltProbe {
         let routing = &self.router().config;
         let tokens = self
             .salts
             .try_borrow()
             .ok()
             .map(|salts| salts.tokens_per_byte.estimate(body.len()));
-        let probe = SaltProbe {
+        SaltProbe {
             salt,
             model: self.model.clone(),
             book: routing.book.then(Booking::default),
             candidates: 1 + routing.fallbacks,
             tokens,
-            text: Some(plan::probe_text_keys(self.router(), api, &body, &plan).unwrap_or_default()),
-        };
+            text: Some(plan::probe_text_keys(self.router(), api, body, plan).unwrap_or_default()),
+        }
+    }
+
+    /// Asks the index whether a replica holds `salt`; true if the request stays paused.
+    fn probe(&mut self, api: Api, plan: Plan, body: Vec<u8>, salt: u64) -> bool {
+        let probe = self.salt_probe(api, &plan, &body, salt);
         let gateway = self.gateway();
         match callout(
             gateway,
@@ -994,6 +1144,18 @@ impl Context for Request {
                     return;
                 }
             }
+            Phase::Routing {
+                token,
+                api,
+                plan,
+                body,
+                since,
+                salt,
+            } if token == token_id => {
+                if self.on_routed(api, plan, body, since, salt) {
+                    return;
+                }
+            }
             Phase::LookingUp {
                 token,
                 since,
@@ -1039,6 +1201,11 @@ impl HttpContext for Request {
             Host::Kong => None,
         };
         self.mode = per_route.unwrap_or(self.router().config.mode);
+        self.tokenize_at_index = match self.gateway().host {
+            Host::Envoy => route_tokenizes_at_index(),
+            Host::Kong => None,
+        }
+        .unwrap_or(self.gateway().tokenize_at_index);
         if self.mode == Mode::Off {
             self.unpinned(Reason::Disabled);
             return Action::Continue;

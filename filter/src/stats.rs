@@ -32,6 +32,7 @@ pub struct Stats {
     tokenize_us: Option<u32>,
     lookup_us: Option<u32>,
     salt_probe_us: Option<u32>,
+    route_us: Option<u32>,
     vm_memory: Option<u32>,
     digest_blocks: Option<u32>,
     /// What this VM last added to the two gauges (memory bytes, cached digests).
@@ -98,6 +99,7 @@ impl Stats {
             tokenize_us: define(MetricType::Histogram, "kvaffine.tokenize_us"),
             lookup_us: define(MetricType::Histogram, "kvaffine.lookup_us"),
             salt_probe_us: define(MetricType::Histogram, "kvaffine.salt_probe_us"),
+            route_us: define(MetricType::Histogram, "kvaffine.route_us"),
             vm_memory: define(MetricType::Gauge, "kvaffine.vm_memory_bytes"),
             digest_blocks: define(MetricType::Gauge, "kvaffine.digest_cache_blocks"),
             reported: Cell::new((0, 0)),
@@ -185,6 +187,12 @@ impl Stats {
     /// Time of the salt probe (the index callout before tokenizing a salted request).
     pub fn salt_probe_latency(&self, us: u64) {
         Self::record(self.salt_probe_us, us);
+    }
+
+    /// A route callout's time (tokenizer, keys and lookup at the index), dispatch to
+    /// answer.
+    pub fn route_latency(&self, us: u64) {
+        Self::record(self.route_us, us);
     }
 
     /// Brings this VM's share of the two gauges to `memory_bytes` and `digest_blocks`

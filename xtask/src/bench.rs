@@ -673,7 +673,7 @@ pub fn filter(args: &[&str]) -> anyhow::Result<()> {
     writeln!(md, "Machine: {}.\n", machine())?;
     writeln!(
         md,
-        "Each block of rows sends the same chat requests through one Envoy along each path in turn, interleaved round by round: `/direct/` (the filter disabled on that route, round robin: the baseline of the \"added\" columns), `/load-only/`, `/approximate/` and `/` (precise: buffer, `/tokenize` callout, keys, lookup callout, pin). Client, Envoy, replicas and kvaffined share the machine's 2 cores. CPU comes from /proc (per-thread schedstat, nanoseconds; runs before that used 10 ms ticks, so their per-request CPU moves in steps of 25-62 us).\n"
+        "Each block of rows sends the same chat requests through one Envoy along each path in turn, interleaved round by round: `/direct/` (the filter disabled on that route, round robin: the baseline of the \"added\" columns), `/load-only/`, `/approximate/`, `/` (precise: buffer, `/tokenize` callout, keys, lookup callout, pin) and `/index-tokenized/` (precise with the tokenizer call made by kvaffined: buffer, one `/v2/route` callout, pin). Client, Envoy, replicas and kvaffined share the machine's 2 cores. CPU comes from /proc (per-thread schedstat, nanoseconds; runs before that used 10 ms ticks, so their per-request CPU moves in steps of 25-62 us), Envoy's and kvaffined's apart; **added CPU** is both together, less the `/direct/` arm's.\n"
     )?;
     writeln!(
         md,

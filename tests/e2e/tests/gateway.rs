@@ -105,6 +105,71 @@ fn tokenizer_calls(stack: &Stack) -> f64 {
     stack.stat("cluster.tokenizer.upstream_rq_total")
 }
 
+/// On a route whose tokenizer calls kvaffined makes (`tokenize_at: index`), the gateway
+/// calls no tokenizer: kvaffined does, keys the tokens and looks up in one callout, and a
+/// continuation lands warm, predicted exactly as the replica reports serving it from its
+/// cache. The same stack's default route still tokenizes in the gateway.
+#[test]
+fn tokenized_by_the_index_a_continuation_lands_warm_as_predicted() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    let routes = || stack.daemon_metric("kvaffined_route_tokenize_seconds_count");
+    for seed in 0..3 {
+        let history = long_history(500 + seed);
+        let (calls, routed) = (tokenizer_calls(&stack), routes());
+        let via_index =
+            |body: &Value| post_json(&stack.gateway, "/index-tokenized/v1/chat/completions", body);
+        // The salt enters the keys kvaffined makes, as it does the filter's.
+        let salt = format!("indexed-{seed}");
+        let first = via_index(&json!({"messages": history, "max_tokens": 8, "cache_salt": salt}));
+        assert_eq!(first.status, 200, "{}", first.body);
+        let warm = first.header("x-served-by").map(str::to_owned);
+        assert_eq!(first.header("x-kvaffine-endpoint").map(str::to_owned), warm);
+        // Its events in, the prediction is what they confirm rather than a booking.
+        stack.wait_salt_held(&salt).unwrap();
+        let mut messages = history.as_array().unwrap().clone();
+        messages.push(first.json()["choices"][0]["message"].clone());
+        messages.push(json!({"role": "user", "content": "continue"}));
+        let second = via_index(&json!({"messages": messages, "max_tokens": 8, "cache_salt": salt}));
+        assert_eq!(second.status, 200, "{}", second.body);
+        assert_eq!(
+            (
+                second.header("x-kvaffine-reason"),
+                second.header("x-served-by").map(str::to_owned)
+            ),
+            (Some("prefix"), warm),
+            "{:?}",
+            second.headers
+        );
+        let predicted: u64 = second
+            .header("x-kvaffine-matched-blocks")
+            .and_then(|m| m.parse().ok())
+            .unwrap();
+        assert_eq!(predicted * 16, cached(&second), "{:?}", second.headers);
+        assert_mostly_cached(&second);
+        assert_eq!(
+            tokenizer_calls(&stack),
+            calls,
+            "the gateway tokenized nothing"
+        );
+        assert_eq!(routes(), routed + 2.0, "kvaffined tokenized both turns");
+    }
+    let calls = tokenizer_calls(&stack);
+    let default_route = chat(
+        &stack,
+        &json!({"messages": long_history(600), "max_tokens": 8}),
+    );
+    assert_eq!(default_route.status, 200, "{}", default_route.body);
+    assert_eq!(
+        tokenizer_calls(&stack),
+        calls + 1.0,
+        "tokenized in the gateway"
+    );
+    assert_eq!(
+        stack.daemon_metric("kvaffined_route_tokenize_failures_total"),
+        0.0
+    );
+}
+
 #[test]
 fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
     let stack = Stack::start(StackConfig {

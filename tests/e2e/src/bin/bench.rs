@@ -182,6 +182,8 @@ struct Arm {
     latencies: Latencies,
     failures: usize,
     cpu: f64,
+    /// kvaffined's CPU seconds, where an arm counts them.
+    daemon_cpu: f64,
     requests: usize,
 }
 
@@ -389,6 +391,12 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
         body
     };
     let pid = stack.envoy_pid().context("no Envoy")?;
+    let daemon = stack
+        .processes()
+        .into_iter()
+        .find(|(name, _)| name == "kvaffined")
+        .map(|(_, pid)| pid)
+        .context("no kvaffined")?;
     let runtime = kvaffine_e2e::load::runtime()?;
     let client = kvaffine_e2e::load::client()?;
     let at = |prefix: &str| format!("http://{}{prefix}v1/chat/completions", stack.gateway);
@@ -418,13 +426,23 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
             url: at("/"),
             fresh: true,
         },
+        Route {
+            name: "filter, `precise`, tokenized by kvaffined, prompt seen before",
+            url: at("/index-tokenized/"),
+            fresh: false,
+        },
+        Route {
+            name: "filter, `precise`, tokenized by kvaffined, new prompt every request",
+            url: at("/index-tokenized/"),
+            fresh: true,
+        },
     ];
     let mut out = String::new();
     writeln!(
         out,
-        "| prompt | concurrency | path | requests | p50 | p99 | added p50 | added p99 | Envoy CPU per request | added CPU | failed |"
+        "| prompt | concurrency | path | requests | p50 | p99 | added p50 | added p99 | Envoy CPU per request | kvaffined CPU per request | added CPU | failed |"
     )?;
-    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     for &(bytes, rounds) in &sizes {
         let label = format!(
             "{} KB ({} tokens)",
@@ -437,7 +455,7 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
             let chosen: Vec<&Route> = if concurrency == 1 {
                 routes.iter().collect()
             } else {
-                vec![&routes[0], &routes[3], &routes[4]]
+                vec![&routes[0], &routes[3], &routes[4], &routes[5], &routes[6]]
             };
             let mut arms: Vec<Arm> = chosen.iter().map(|_| Arm::default()).collect();
             // Warm every path (connections, VMs, caches).
@@ -458,7 +476,7 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
                                 .into_bytes(),
                         )
                     };
-                    let before = cpu_seconds(pid);
+                    let before = (cpu_seconds(pid), cpu_seconds(daemon));
                     let (latencies, failures) = runtime.block_on(closed_loop(
                         &client,
                         &route.url,
@@ -466,26 +484,33 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
                         per_round,
                         concurrency,
                     ));
-                    arm.cpu += cpu_seconds(pid) - before;
+                    arm.cpu += cpu_seconds(pid) - before.0;
+                    arm.daemon_cpu += cpu_seconds(daemon) - before.1;
                     arm.requests += per_round;
                     arm.failures += failures;
                     arm.latencies.extend(latencies);
                 }
             }
             let base = &arms[0];
-            let base_cpu = base.cpu / base.requests as f64 * 1e6;
+            let per_request = |arm: &Arm| {
+                (
+                    arm.cpu / arm.requests as f64 * 1e6,
+                    arm.daemon_cpu / arm.requests as f64 * 1e6,
+                )
+            };
+            let (base_cpu, base_daemon_cpu) = per_request(base);
             for (arm, route) in arms.iter().zip(&chosen) {
-                let cpu = arm.cpu / arm.requests as f64 * 1e6;
+                let (cpu, daemon_cpu) = per_request(arm);
                 writeln!(
                     out,
-                    "| {label} | {concurrency} | {} | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {cpu:.0} us | {:.0} us | {} |",
+                    "| {label} | {concurrency} | {} | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {cpu:.0} us | {daemon_cpu:.0} us | {:.0} us | {} |",
                     route.name,
                     arm.requests,
                     ms(arm.latencies.quantile(0.5)),
                     ms(arm.latencies.quantile(0.99)),
                     ms(arm.latencies.quantile(0.5)) - ms(base.latencies.quantile(0.5)),
                     ms(arm.latencies.quantile(0.99)) - ms(base.latencies.quantile(0.99)),
-                    cpu - base_cpu,
+                    cpu + daemon_cpu - base_cpu - base_daemon_cpu,
                     arm.failures,
                 )?;
             }

@@ -85,7 +85,7 @@ pub async fn route(
         })
         .ok_or_else(|| {
             daemon.metrics.route_tokenize_failures.inc();
-            ApiError::NoReplica
+            ApiError::Upstream("no usable replica serves the request's model".into())
         })?;
     let timeout = request
         .timeout_ms

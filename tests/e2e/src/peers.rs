@@ -68,6 +68,22 @@ pub const ARMS: [Arm; 6] = [
     },
 ];
 
+/// The arms whose added latency and CPU are measured: every router, and kvaffine precise
+/// with its tokenizer call made by kvaffined (`/index-tokenized/`, one callout instead of
+/// two), which routes as precise does.
+pub const OVERHEAD_ARMS: [Arm; 7] = [
+    ARMS[0],
+    Arm {
+        name: "kvaffine precise, tokenized by kvaffined",
+        router: Router::Kvaffine("/index-tokenized/"),
+    },
+    ARMS[1],
+    ARMS[2],
+    ARMS[3],
+    ARMS[4],
+    ARMS[5],
+];
+
 /// A peer router process, killed on drop.
 pub struct PeerProcess {
     child: Child,
@@ -413,14 +429,14 @@ pub fn overhead(bytes: usize, rounds: usize, per_round: usize) -> anyhow::Result
         replica_args: vec!["--time-scale".into(), "0".into()],
         ..StackConfig::default()
     })?;
-    let peers: Vec<Option<PeerProcess>> = ARMS
+    let peers: Vec<Option<PeerProcess>> = OVERHEAD_ARMS
         .iter()
         .map(|arm| PeerProcess::start(arm.router, &Worker::of(&stack), 16, "emu-model"))
         .collect::<anyhow::Result<_>>()?;
     let runtime = crate::load::runtime()?;
     let client = crate::load::client()?;
     let direct_url = format!("http://{}/v1/chat/completions", stack.replicas[0].http);
-    let mut results: Vec<Overhead> = ARMS
+    let mut results: Vec<Overhead> = OVERHEAD_ARMS
         .iter()
         .map(|arm| Overhead {
             arm: arm.name,
@@ -430,10 +446,15 @@ pub fn overhead(bytes: usize, rounds: usize, per_round: usize) -> anyhow::Result
             failed: 0,
         })
         .collect();
-    let mut cpu = vec![0.0f64; ARMS.len()];
+    let mut cpu = vec![0.0f64; OVERHEAD_ARMS.len()];
     for round in 0..rounds {
-        for (n, ((arm, peer), result)) in ARMS.iter().zip(&peers).zip(&mut results).enumerate() {
-            let body = overhead_body(bytes, round * ARMS.len() + n);
+        for (n, ((arm, peer), result)) in OVERHEAD_ARMS
+            .iter()
+            .zip(&peers)
+            .zip(&mut results)
+            .enumerate()
+        {
+            let body = overhead_body(bytes, round * OVERHEAD_ARMS.len() + n);
             let url = format!(
                 "{}v1/chat/completions",
                 base_url(*arm, &stack, peer.as_ref())
@@ -619,6 +640,25 @@ pub fn write(
         );
     }
     writeln!(md, "\n## What each router adds per request\n")?;
+    let json_overhead = overhead_table(&mut md, overheads)?;
+    md.push('\n');
+    md.push_str(include_str!("peers_notes.md"));
+    let results = json!({"command": command, "machine": machine, "scenarios": json_runs,
+                         "seed": json_seed, "overhead": json_overhead});
+    std::fs::write(
+        dir.join("peers/peers.json"),
+        serde_json::to_string_pretty(&results)? + "\n",
+    )?;
+    std::fs::write(dir.join("peers.md"), &md)?;
+    Ok(md)
+}
+
+/// The table of what each router adds per request; returns its figures as JSON.
+pub fn overhead_table(
+    md: &mut String,
+    overheads: &[Overhead],
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    use std::fmt::Write as _;
     writeln!(
         md,
         "| router | p50 | direct p50 (same rounds) | added p50 | p99 | direct p99 | added p99 | router CPU per request | failed |\n|---|---|---|---|---|---|---|---|---|"
@@ -640,16 +680,7 @@ pub fn write(
             "p99_ms": p99, "direct_p99_ms": d99, "cpu_us_per_request": o.cpu_per_request * 1e6,
             "failed": o.failed}));
     }
-    md.push('\n');
-    md.push_str(include_str!("peers_notes.md"));
-    let results = json!({"command": command, "machine": machine, "scenarios": json_runs,
-                         "seed": json_seed, "overhead": json_overhead});
-    std::fs::write(
-        dir.join("peers/peers.json"),
-        serde_json::to_string_pretty(&results)? + "\n",
-    )?;
-    std::fs::write(dir.join("peers.md"), &md)?;
-    Ok(md)
+    Ok(json_overhead)
 }
 
 /// One table and chart per workload (the first router of each is the ratios'

@@ -170,6 +170,68 @@ fn tokenized_by_the_index_a_continuation_lands_warm_as_predicted() {
     );
 }
 
+/// A route callout kvaffined cannot use is refused with a status the filter acts on and a
+/// reason a person can read: a body not of the form, or one that names a path other than
+/// a tokenizer's (kvaffined posts only to those), 400; a model no replica serves, 502
+/// (the filter then keys the request by its text); a tokenizer that refuses the body, 502
+/// with the replica's answer.
+#[test]
+fn kvaffined_refuses_route_callouts_it_cannot_use_and_says_why() {
+    use kvaffine_core::protocol::{KeySettings, RouteRequest};
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    // The replicas' models are known from their metrics.
+    stack.wait_scraped().unwrap();
+    let keys = KeySettings {
+        block_size: 16,
+        hash_algo: "sha256_cbor".into(),
+        hash_seed: None,
+        vllm_compat: "0.31".into(),
+        cache_salt: None,
+        lora: None,
+    };
+    let request = |path: &str, model: Option<&str>| RouteRequest {
+        path: path.into(),
+        keys: keys.clone(),
+        model: model.map(str::to_owned),
+        book: None,
+        candidates: 1,
+        probe: None,
+        timeout_ms: Some(1_000),
+    };
+    let call = br#"{"prompt": "a prompt"}"#;
+    let route = |body: Vec<u8>| {
+        let (status, text) = vllm_emu::harness::http(
+            &stack.daemon_addr,
+            "POST",
+            "/v2/route",
+            std::str::from_utf8(&body).unwrap(),
+        );
+        let error = serde_json::from_str::<Value>(&text).unwrap_or_default()["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        (status, error)
+    };
+    let (status, error) = route(request("/v1/chat/completions", None).to_body(call));
+    assert_eq!(status, 400);
+    assert!(error.contains("not a tokenizer path"), "{error}");
+    let (status, error) = route(br#"{"path": "/tokenize"}"#.to_vec());
+    assert_eq!(status, 400);
+    assert!(error.contains("a JSON line, a newline"), "{error}");
+    let (status, error) = route(request("/tokenize", Some("no-such-model")).to_body(call));
+    assert_eq!(status, 502);
+    assert!(error.contains("no usable replica"), "{error}");
+    let (status, error) = route(request("/tokenize", None).to_body(b"not json"));
+    assert_eq!(status, 502);
+    assert!(error.contains("answered 4"), "{error}");
+    let (status, _) = route(request("/tokenize", None).to_body(call));
+    assert_eq!(status, 200);
+    assert_eq!(
+        stack.daemon_metric("kvaffined_route_tokenize_failures_total"),
+        2.0
+    );
+}
+
 #[test]
 fn a_new_salt_is_routed_without_tokenizing_and_its_continuation_lands_warm() {
     let stack = Stack::start(StackConfig {

@@ -121,7 +121,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     // (name, pair, check, in the routing subset that older versions run in CI)
-    let checks: [(&str, Pair, Check, bool); 26] = [
+    let checks: [(&str, Pair, Check, bool); 27] = [
         (
             "events_and_replay_are_read_in_their_layout",
             Pair::Cbor,
@@ -132,6 +132,12 @@ fn main() -> std::process::ExitCode {
             "chat_continuations_return_to_the_warm_replica",
             Pair::Cbor,
             chat_continuations,
+            true,
+        ),
+        (
+            "continuations_tokenized_by_kvaffined_return_warm_as_predicted",
+            Pair::Cbor,
+            index_tokenized_continuations,
             true,
         ),
         (
@@ -531,19 +537,28 @@ fn warm_conversations(
     count: usize,
     what: &str,
 ) -> anyhow::Result<u64> {
+    warm_conversations_at(gateway, "", tag, first_seed, count, what)
+}
+
+/// [`warm_conversations`] on the gateway's route `prefix` (`""` for its default route).
+fn warm_conversations_at(
+    gateway: &str,
+    prefix: &str,
+    tag: &str,
+    first_seed: usize,
+    count: usize,
+    what: &str,
+) -> anyhow::Result<u64> {
+    let path = format!("{prefix}/v1/chat/completions");
     let mut served = 0;
     for i in 0..count {
         let (seed, salt) = (first_seed + i, salt(tag, i));
         let first = ok(
-            post_json(gateway, "/v1/chat/completions", &chat_first(seed, &salt)),
+            post_json(gateway, &path, &chat_first(seed, &salt)),
             "turn 1",
         )?;
         let second = ok(
-            post_json(
-                gateway,
-                "/v1/chat/completions",
-                &chat_pair(seed, &salt, &first),
-            ),
+            post_json(gateway, &path, &chat_pair(seed, &salt, &first)),
             "turn 2",
         )?;
         check_warm(
@@ -584,6 +599,38 @@ fn check_outcomes(stack: &Stack, routed: u64, served: u64) -> anyhow::Result<()>
 }
 
 // ---- the checks ----
+
+/// With the tokenizer call made by kvaffined (`/index-tokenized/`, the route's
+/// `tokenize_at: index`), continuations return warm, predicted exactly as vLLM serves
+/// them: kvaffined called vLLM's `/tokenize` for every turn and keyed its tokens as the
+/// filter would, and the gateway called no tokenizer.
+fn index_tokenized_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    let stack = stack(replicas)?;
+    let pairs = 4;
+    stack.wait_scraped()?;
+    let gateway_calls = stack.stat("cluster.tokenizer.upstream_rq_total");
+    let served = warm_conversations_at(
+        &stack.gateway,
+        "/index-tokenized",
+        "indexed",
+        40,
+        pairs,
+        "tokenized by kvaffined",
+    )?;
+    check_outcomes(&stack, 2 * pairs as u64, served)?;
+    let calls = stack.stat("cluster.tokenizer.upstream_rq_total") - gateway_calls;
+    ensure(calls == 0.0, || {
+        format!("the gateway made {calls} tokenizer calls")
+    })?;
+    let routed = stack.daemon_metric("kvaffined_route_tokenize_seconds_count");
+    let failed = stack.daemon_metric("kvaffined_route_tokenize_failures_total");
+    ensure(routed == 2.0 * pairs as f64 && failed == 0.0, || {
+        format!(
+            "kvaffined made {routed} tokenizer calls ({failed} failed), not {}",
+            2 * pairs
+        )
+    })
+}
 
 fn chat_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
     let stack = stack(replicas)?;

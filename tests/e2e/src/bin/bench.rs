@@ -162,6 +162,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
                 .context("usage: bench peers OUT_DIR vllm [large]")?,
             model,
         ),
+        Some("peers-overhead") => peers_overhead(),
         Some("peers") => {
             let out = args
                 .get(1)
@@ -172,7 +173,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             }
         }
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm [NAME]] [hybrid|large] [--time-scale X] [--vllm-shapes] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X]"
+            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm [NAME]] [hybrid|large] [--time-scale X] [--vllm-shapes] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X] | peers-overhead"
         ),
     }
 }
@@ -788,6 +789,16 @@ fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
         "cargo xtask bench peers",
         &machine,
     )?;
+    println!("{md}");
+    Ok(())
+}
+
+/// `bench peers-overhead`: only the peers page's table of what each router adds per
+/// request (sequential 8 KB chats, every router and straight to a replica, interleaved).
+fn peers_overhead() -> anyhow::Result<()> {
+    let overheads = kvaffine_e2e::peers::overhead(8 * 1024, 6, 40)?;
+    let mut md = String::new();
+    kvaffine_e2e::peers::overhead_table(&mut md, &overheads)?;
     println!("{md}");
     Ok(())
 }
@@ -1947,6 +1958,7 @@ fn precise_cost() -> anyhow::Result<()> {
                 "tokenize_us",
                 "lookup_us",
                 "salt_probe_us",
+                "route_us",
             ],
             routed,
         )
@@ -2072,13 +2084,22 @@ fn precise_cost() -> anyhow::Result<()> {
     writeln!(out)?;
     writeln!(
         out,
-        "| continuation | rounds | through the gateway p50 | sibling straight to the replica p50 | added p50 | its `/tokenize` p50 | added / `/tokenize` | filter: paused (mean) | salt probe | tokenize callout | lookup callout | rest of the filter | keys in-process | served warm |"
+        "| continuation | tokenizer called by | rounds | through the gateway p50 | sibling straight to the replica p50 | added p50 | its `/tokenize` p50 | added / `/tokenize` | filter: paused (mean) | salt probe | tokenize callout | lookup callout | route callout | rest of the filter | keys in-process | served warm |"
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
-    for target in [1_500usize, 6_000, 30_000] {
+    // The filter's own tokenizer callout (`/`), then kvaffined's (`/index-tokenized/`: the
+    // route's `tokenize_at: index`), one after the other at each size.
+    let ways = [
+        ("the filter", "/v1/chat/completions"),
+        ("kvaffined", "/index-tokenized/v1/chat/completions"),
+    ];
+    for (target, (way, path)) in [1_500usize, 6_000, 30_000]
+        .into_iter()
+        .flat_map(|target| ways.into_iter().map(move |way| (target, way)))
+    {
         let n = (target as f64 / per_word) as usize;
         let tokens = count(&continuation(2, n, "size", 0))?;
         let (mut gateway, mut direct, mut added, mut tokenize, mut keys) =
@@ -2086,7 +2107,7 @@ fn precise_cost() -> anyhow::Result<()> {
         let mut warm = 0;
         let mut histograms = snapshot(routed)?;
         for round in 0..ROUNDS + 2 {
-            let salt = format!("cost-{target}-{round}-{}", std::process::id());
+            let salt = format!("cost-{target}-{way}-{round}-{}", std::process::id());
             let seed = target + round;
             // Turn 1 around the filter (`/direct/`, Envoy's round robin): the filter's
             // histograms then hold the continuations alone.
@@ -2106,7 +2127,7 @@ fn precise_cost() -> anyhow::Result<()> {
             // The sibling goes to where the gateway sends it; in odd rounds it goes first,
             // to the replica that holds turn 1 (where the gateway will pin).
             let (g, g_reply, d, d_reply) = if round % 2 == 0 {
-                let g_reply = gateway_connection.post_json("/v1/chat/completions", &gateway_body);
+                let g_reply = gateway_connection.post_json(path, &gateway_body);
                 let g = started.elapsed();
                 let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
                 let started = Instant::now();
@@ -2116,7 +2137,7 @@ fn precise_cost() -> anyhow::Result<()> {
                 let d_reply = at(&mut connections, &warm_at, "/v1/chat/completions", &sibling)?;
                 let d = started.elapsed();
                 let started = Instant::now();
-                let g_reply = gateway_connection.post_json("/v1/chat/completions", &gateway_body);
+                let g_reply = gateway_connection.post_json(path, &gateway_body);
                 (started.elapsed(), g_reply, d, d_reply)
             };
             for reply in [&g_reply, &d_reply] {
@@ -2175,16 +2196,16 @@ fn precise_cost() -> anyhow::Result<()> {
             };
             (a.0 - b.0) / (a.1 - b.1).max(1.0) / 1e3
         };
-        let (paused, tokenize_callout, lookup_callout, probe) =
-            (mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3));
+        let (paused, tokenize_callout, lookup_callout, probe, route) =
+            (mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3), mean_ms(4));
         let (added_p50, tokenize_p50) = (median(added.clone()), median(tokenize.clone()));
         writeln!(
             out,
-            "| {tokens} tokens | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {probe:.2} ms | {tokenize_callout:.2} ms | {lookup_callout:.2} ms | {:.2} ms | {:.2} ms | {warm} of {ROUNDS} |",
+            "| {tokens} tokens | {way} | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {probe:.2} ms | {tokenize_callout:.2} ms | {lookup_callout:.2} ms | {route:.2} ms | {:.2} ms | {:.2} ms | {warm} of {ROUNDS} |",
             median(gateway),
             median(direct),
             added_p50 / tokenize_p50,
-            paused - probe - tokenize_callout - lookup_callout,
+            paused - probe - tokenize_callout - lookup_callout - route,
             median(keys),
         )?;
     }

@@ -20,7 +20,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use kvaffine_core::config::{Mode, RoutingConfig};
 use kvaffine_core::plan::{self, Action};
-use kvaffine_core::tokens;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -42,18 +41,10 @@ const MAX_EXPLAINS: usize = 4;
 /// needs WebAssembly compilation).
 const CONTENT_SECURITY_POLICY: &str = "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; style-src 'self' 'unsafe-inline'; img-src 'self' data:";
 
-/// The tokenizer calls' client and their bound, shared by every explain.
-struct Tokenizer {
-    client: reqwest::Client,
-    slots: tokio::sync::Semaphore,
-}
-
-fn tokenizer() -> &'static Tokenizer {
-    static TOKENIZER: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
-    TOKENIZER.get_or_init(|| Tokenizer {
-        client: reqwest::Client::new(),
-        slots: tokio::sync::Semaphore::new(MAX_EXPLAINS),
-    })
+/// The bound on tokenizer calls, shared by every explain.
+fn explain_slots() -> &'static tokio::sync::Semaphore {
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| tokio::sync::Semaphore::new(MAX_EXPLAINS))
 }
 
 /// The page and its assets.
@@ -155,33 +146,10 @@ pub async fn explain(
         }
     };
     let replica = tokenizer_replica(&daemon, plan.model.as_deref())?;
-    let tokenizer = tokenizer();
-    let _slot = tokenizer
-        .slots
+    let _slot = explain_slots()
         .try_acquire()
         .map_err(|_| ApiError::Overloaded)?;
-    let answer = tokenizer
-        .client
-        .post(format!("http://{replica}{path}"))
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(call)
-        .timeout(TOKENIZE_TIMEOUT)
-        .send()
-        .await
-        .map_err(|e| ApiError::Upstream(format!("{replica}: {e}")))?;
-    let status = answer.status();
-    let answer = answer
-        .bytes()
-        .await
-        .map_err(|e| ApiError::Upstream(format!("{replica}: {e}")))?;
-    if !status.is_success() {
-        return Err(ApiError::Upstream(format!(
-            "{replica} answered {status}: {}",
-            String::from_utf8_lossy(&answer)
-        )));
-    }
-    let tokens = tokens::token_list(&answer)
-        .ok_or_else(|| ApiError::Upstream(format!("{replica} answered no token list")))?;
+    let tokens = crate::route::tokenize(&replica, path, call.into(), TOKENIZE_TIMEOUT).await?;
     let extras = plan.extras;
     Ok(axum::Json(json!({
         "tokens": tokens,

@@ -25,7 +25,8 @@ pub const MAX_ROUTE_BODY_BYTES: usize = 16 * 1024 * 1024;
 /// The tokenizer call's deadline when the filter names none: the filter's default.
 const DEFAULT_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(300);
 
-/// One client for every tokenizer call: its pool keeps a connection to each replica.
+/// One client for every tokenizer call the daemon makes: its pool keeps a connection to
+/// each replica.
 fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(reqwest::Client::new)
@@ -132,8 +133,9 @@ pub async fn route(
     Ok(axum::Json(answer).into_response())
 }
 
-/// The token list `replica` gives `call` at `path`.
-async fn tokenize(
+/// The token list `replica` gives `call` at `path` (route callouts and the console's
+/// explain tool).
+pub async fn tokenize(
     replica: &str,
     path: &str,
     call: Bytes,

@@ -154,18 +154,9 @@ impl Root {
         let batch = Outcomes {
             outcomes: queue.iter().take(take).cloned().collect(),
         };
-        let gateway = &config.gateway;
         // Refused by the host, the batch stays for the next tick (the queue's bound drops
         // the oldest meanwhile).
-        if let Some(token) = callout(
-            gateway,
-            &gateway.index_cluster,
-            gateway.index_authority(),
-            outcome::OUTCOMES_PATH,
-            &batch.to_json(),
-            config.index_token.as_deref(),
-            None,
-        ) {
+        if let Some(token) = call_index(config, outcome::OUTCOMES_PATH, &batch.to_json()) {
             queue.drain(..take);
             self.posting = Some((token, take, now()));
         }
@@ -633,16 +624,7 @@ impl Request {
             Protocol::V2 => (protocol::LOOKUP_PATH, request.to_json()),
             Protocol::V1 => (v1::LOOKUP_PATH, v1::Request::from(&request).to_json()),
         };
-        let gateway = self.gateway();
-        match callout(
-            gateway,
-            &gateway.index_cluster,
-            gateway.index_authority(),
-            path,
-            &body,
-            self.config.index_token.as_deref(),
-            None,
-        ) {
+        match call_index(&self.config, path, &body) {
             Some(token) => {
                 self.phase = Phase::LookingUp {
                     token,
@@ -710,16 +692,7 @@ impl Request {
             timeout_ms: Some(self.gateway().timeout_ms),
         };
         let payload = request.to_body(call);
-        let gateway = self.gateway();
-        match callout(
-            gateway,
-            &gateway.index_cluster,
-            gateway.index_authority(),
-            protocol::ROUTE_PATH,
-            &payload,
-            self.config.index_token.as_deref(),
-            None,
-        ) {
+        match call_index(&self.config, protocol::ROUTE_PATH, &payload) {
             Some(token) => {
                 self.phase = Phase::Routing {
                     token,
@@ -828,16 +801,7 @@ impl Request {
     /// Asks the index whether a replica holds `salt`; true if the request stays paused.
     fn probe(&mut self, api: Api, plan: Plan, body: Vec<u8>, salt: u64) -> bool {
         let probe = self.salt_probe(api, &plan, &body, salt);
-        let gateway = self.gateway();
-        match callout(
-            gateway,
-            &gateway.index_cluster,
-            gateway.index_authority(),
-            protocol::SALT_PATH,
-            &probe.to_json(),
-            self.config.index_token.as_deref(),
-            None,
-        ) {
+        match call_index(&self.config, protocol::SALT_PATH, &probe.to_json()) {
             Some(token) => {
                 self.phase = Phase::Probing {
                     token,
@@ -1070,6 +1034,21 @@ impl Request {
             _ => self.unpinned(Reason::IndexUnavailable),
         }
     }
+}
+
+/// Starts a POST callout to the index (with its bearer token, if any); its token, or None
+/// if the host refused it.
+fn call_index(config: &FilterConfig, path: &str, body: &[u8]) -> Option<u32> {
+    let gateway = &config.gateway;
+    callout(
+        gateway,
+        &gateway.index_cluster,
+        gateway.index_authority(),
+        path,
+        body,
+        config.index_token.as_deref(),
+        None,
+    )
 }
 
 /// Starts a POST callout, with `pin` (header, endpoint) choosing the cluster's member

@@ -278,6 +278,25 @@ pub fn seed(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What each router adds per request, the peers page's last table alone, three runs ->
+/// `docs/benchmarks/peers-overhead.md`.
+pub fn peers_overhead() -> anyhow::Result<()> {
+    sh::ensure_venv(&["vllm-router==0.1.17", "sglang-router==0.3.2"])?;
+    let mut tables = String::new();
+    for run in 1..=3 {
+        writeln!(tables, "### Run {run}\n")?;
+        tables.push_str(stack_bench(&["peers-overhead"])?.trim_end());
+        tables.push_str("\n\n");
+    }
+    let md = include_str!("bench_peers_overhead.md")
+        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{TABLES}}", tables.trim_end());
+    write(&sh::root().join("docs/benchmarks/peers-overhead.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 /// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`
 /// (`--engine vllm`: their workloads on real vLLM -> `docs/benchmarks/peers-vllm/`;
 /// `--time-scale X`: on the emulator at another speed ->

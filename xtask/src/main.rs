@@ -62,6 +62,8 @@ commands:
                 vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
                 (real vLLM: docs/benchmarks/peers-vllm/, its larger model: peers-vllm-large/;
                 the emulator at another speed: docs/benchmarks/peers-time-scale-X/)
+  bench peers-overhead
+                what each router adds per request, three runs -> docs/benchmarks/peers-overhead.md
   bench reliability
                 faults, 60 s of load, ingest under lookups -> docs/reliability.md
   bench soak [--minutes N] [--engine emu|vllm]
@@ -105,6 +107,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
         ["bench", "soak", rest @ ..] => bench::soak(rest),
+        ["bench", "peers-overhead"] => bench::peers_overhead(),
         ["bench", "peers", rest @ ..] => bench::peers(rest),
         ["bench", "scenarios", rest @ ..] => bench::scenarios(rest),
         ["vectors"] => vectors(),

@@ -63,3 +63,14 @@ pub fn kong_target(vm: &vm::Vm, stream: u32) -> Option<String> {
         .get("kong.service.target")
         .map(|v| String::from_utf8_lossy(v).into_owned())
 }
+
+/// The `x-kvaffine-reason` the filter sets on a 200 answer to `stream`.
+pub fn reason(vm: &mut vm::Vm, stream: u32) -> Option<String> {
+    let headers = vm
+        .on_response_headers(stream, vec![(":status".into(), b"200".to_vec())])
+        .expect("response headers");
+    headers
+        .iter()
+        .find(|(name, _)| name == "x-kvaffine-reason")
+        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+}

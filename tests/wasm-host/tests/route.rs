@@ -6,7 +6,7 @@
 
 use kvaffine_core::protocol::RouteRequest;
 use kvaffine_wasm_host::vm::Vm;
-use kvaffine_wasm_host::{filter_wasm, kong_target as target, one_call, open_post};
+use kvaffine_wasm_host::{filter_wasm, kong_target as target, one_call, open_post, reason};
 
 const CONFIG: &[u8] = br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": "127.0.0.1:2",
     "block_size": 16, "host": "kong", "tokenize_at_index": true, "hash_seed": "7"}"#;
@@ -20,16 +20,6 @@ fn completions(salt: Option<&str>) -> Vec<u8> {
         body["cache_salt"] = salt.into();
     }
     serde_json::to_vec(&body).unwrap()
-}
-
-fn reason(vm: &mut Vm, stream: u32) -> Option<String> {
-    let headers = vm
-        .on_response_headers(stream, vec![(":status".into(), b"200".to_vec())])
-        .expect("response headers");
-    headers
-        .iter()
-        .find(|(name, _)| name == "x-kvaffine-reason")
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
 }
 
 #[test]

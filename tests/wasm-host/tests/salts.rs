@@ -5,7 +5,7 @@
 //! remembered.
 
 use kvaffine_wasm_host::vm::{CallRequest, Vm};
-use kvaffine_wasm_host::{filter_wasm, kong_target as target, one_call, open_post};
+use kvaffine_wasm_host::{filter_wasm, kong_target as target, one_call, open_post, reason};
 
 const CONFIG: &[u8] = br#"{"tokenizer_cluster": "127.0.0.1:1", "index_cluster": "127.0.0.1:2",
     "block_size": 16, "host": "kong", "salt_probes": true}"#;
@@ -31,16 +31,6 @@ fn tokenize_and_look_up(vm: &mut Vm, tokenize: &CallRequest, lookup: &[u8]) {
     let call = one_call(vm);
     assert_eq!(call.path(), "/v2/lookup");
     vm.respond(&call, "200", lookup.to_vec());
-}
-
-fn reason(vm: &mut Vm, stream: u32) -> Option<String> {
-    let headers = vm
-        .on_response_headers(stream, vec![(":status".into(), b"200".to_vec())])
-        .expect("response headers");
-    headers
-        .iter()
-        .find(|(name, _)| name == "x-kvaffine-reason")
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
 }
 
 const TOKENS: &[u8] = br#"{"count":33,"max_model_len":4096,"tokens":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33]}"#;

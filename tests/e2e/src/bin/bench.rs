@@ -250,6 +250,16 @@ fn real_stack(
     Ok((stack, replicas))
 }
 
+/// The stack's kvaffined, for its CPU.
+fn daemon_pid(stack: &Stack) -> anyhow::Result<u32> {
+    stack
+        .processes()
+        .into_iter()
+        .find(|(name, _)| name == "kvaffined")
+        .map(|(_, pid)| pid)
+        .context("no kvaffined")
+}
+
 /// `bench outcomes`: the filter's cost with `report_outcomes` on against off, in one
 /// Envoy whose filter is hot-reloaded between the arms, rounds interleaved; the
 /// emulator's instant tokenizer, so that only the filter's own work differs. Envoy's and
@@ -257,12 +267,7 @@ fn real_stack(
 fn outcomes() -> anyhow::Result<()> {
     let stack = instant_stack(Vec::new())?;
     let envoy = stack.envoy_pid().context("no Envoy")?;
-    let daemon = stack
-        .processes()
-        .into_iter()
-        .find(|(name, _)| name == "kvaffined")
-        .map(|(_, pid)| pid)
-        .context("no kvaffined")?;
+    let daemon = daemon_pid(&stack)?;
     let runtime = kvaffine_e2e::load::runtime()?;
     let client = kvaffine_e2e::load::client()?;
     let url = |prefix: &str| format!("http://{}{prefix}v1/chat/completions", stack.gateway);
@@ -392,12 +397,7 @@ fn filter(tokenizer: &str) -> anyhow::Result<()> {
         body
     };
     let pid = stack.envoy_pid().context("no Envoy")?;
-    let daemon = stack
-        .processes()
-        .into_iter()
-        .find(|(name, _)| name == "kvaffined")
-        .map(|(_, pid)| pid)
-        .context("no kvaffined")?;
+    let daemon = daemon_pid(&stack)?;
     let runtime = kvaffine_e2e::load::runtime()?;
     let client = kvaffine_e2e::load::client()?;
     let at = |prefix: &str| format!("http://{}{prefix}v1/chat/completions", stack.gateway);
@@ -2084,110 +2084,130 @@ fn precise_cost() -> anyhow::Result<()> {
     writeln!(out)?;
     writeln!(
         out,
-        "| continuation | tokenizer called by | rounds | through the gateway p50 | sibling straight to the replica p50 | added p50 | its `/tokenize` p50 | added / `/tokenize` | filter: paused (mean) | salt probe | tokenize callout | lookup callout | route callout | rest of the filter | keys in-process | served warm |"
+        "| continuation | tokenizer called by | rounds | through the gateway p50 | sibling straight to the replica p50 | added p50 | its `/tokenize` p50 | added / `/tokenize` | filter: paused (mean, both ways) | salt probe | tokenize callout | lookup callout | route callout | keys in-process | served warm |"
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
-    // The filter's own tokenizer callout (`/`), then kvaffined's (`/index-tokenized/`: the
-    // route's `tokenize_at: index`), one after the other at each size.
+    // Each round, after one turn 1, both ways in turn: the filter's own tokenizer callout
+    // (`/`) and kvaffined's (`/index-tokenized/`, the route's `tokenize_at: index`), each
+    // with its own continuation and sibling (their last questions differ, so each finds
+    // the same cached turn 1 and a new question).
     let ways = [
         ("the filter", "/v1/chat/completions"),
         ("kvaffined", "/index-tokenized/v1/chat/completions"),
     ];
-    for (target, (way, path)) in [1_500usize, 6_000, 30_000]
-        .into_iter()
-        .flat_map(|target| ways.into_iter().map(move |way| (target, way)))
-    {
+    /// One way's figures at one size.
+    #[derive(Default)]
+    struct Way {
+        gateway: Vec<f64>,
+        direct: Vec<f64>,
+        added: Vec<f64>,
+        tokenize: Vec<f64>,
+        keys: Vec<f64>,
+        warm: usize,
+    }
+    for target in [1_500usize, 6_000, 30_000] {
         let n = (target as f64 / per_word) as usize;
         let tokens = count(&continuation(2, n, "size", 0))?;
-        let (mut gateway, mut direct, mut added, mut tokenize, mut keys) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut warm = 0;
+        let mut figures: Vec<Way> = ways.iter().map(|_| Way::default()).collect();
         let mut histograms = snapshot(routed)?;
+        let replicas: Vec<String> = stack.upstreams.iter().map(|u| u.http.clone()).collect();
         for round in 0..ROUNDS + 2 {
-            let salt = format!("cost-{target}-{way}-{round}-{}", std::process::id());
+            let salt = format!("cost-{target}-{round}-{}", std::process::id());
             let seed = target + round;
-            // Turn 1 around the filter (`/direct/`, Envoy's round robin): the filter's
-            // histograms then hold the continuations alone.
-            let first = gateway_connection
-                .post_json("/direct/v1/chat/completions", &turn_1(seed, n, &salt));
-            routed += 1;
+            // Turn 1 straight to a replica, in turn: the filter's histograms then hold the
+            // continuations alone, and a long cold prefill meets no gateway timeout.
+            reopen(&mut connections)?;
+            let warm_at = replicas
+                .get(round % replicas.len().max(1))
+                .context("no replica")?
+                .clone();
+            let first = at(
+                &mut connections,
+                &warm_at,
+                "/v1/chat/completions",
+                &turn_1(seed, n, &salt),
+            )?;
             if first.status != 200 {
                 bail!("turn 1: {} {}", first.status, first.body);
             }
-            let warm_at = first.header("x-served-by").unwrap_or("").to_owned();
-            reopen(&mut connections)?;
-            let (gateway_body, sibling) = (
-                continuation(seed, n, &salt, 0),
-                continuation(seed, n, &salt, 1),
-            );
-            let started = Instant::now();
-            // The sibling goes to where the gateway sends it; in odd rounds it goes first,
-            // to the replica that holds turn 1 (where the gateway will pin).
-            let (g, g_reply, d, d_reply) = if round % 2 == 0 {
-                let g_reply = gateway_connection.post_json(path, &gateway_body);
-                let g = started.elapsed();
-                let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
+            for (w, ((way, path), figures)) in ways.iter().zip(&mut figures).enumerate() {
+                reopen(&mut connections)?;
+                let (gateway_body, sibling) = (
+                    continuation(seed, n, &salt, 2 * w),
+                    continuation(seed, n, &salt, 2 * w + 1),
+                );
                 let started = Instant::now();
-                let d_reply = at(&mut connections, &chosen, "/v1/chat/completions", &sibling)?;
-                (g, g_reply, started.elapsed(), d_reply)
-            } else {
-                let d_reply = at(&mut connections, &warm_at, "/v1/chat/completions", &sibling)?;
-                let d = started.elapsed();
-                let started = Instant::now();
-                let g_reply = gateway_connection.post_json(path, &gateway_body);
-                (started.elapsed(), g_reply, d, d_reply)
-            };
-            for reply in [&g_reply, &d_reply] {
-                if reply.status != 200 {
-                    bail!("continuation: {} {}", reply.status, reply.body);
+                // The sibling goes to where the gateway sends it; in odd rounds it goes
+                // first, to the replica that holds turn 1 (where the gateway will pin).
+                let (g, g_reply, d, d_reply) = if round % 2 == 0 {
+                    let g_reply = gateway_connection.post_json(path, &gateway_body);
+                    let g = started.elapsed();
+                    let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
+                    let started = Instant::now();
+                    let d_reply = at(&mut connections, &chosen, "/v1/chat/completions", &sibling)?;
+                    (g, g_reply, started.elapsed(), d_reply)
+                } else {
+                    let d_reply = at(&mut connections, &warm_at, "/v1/chat/completions", &sibling)?;
+                    let d = started.elapsed();
+                    let started = Instant::now();
+                    let g_reply = gateway_connection.post_json(path, &gateway_body);
+                    (started.elapsed(), g_reply, d, d_reply)
+                };
+                routed += 1;
+                for reply in [&g_reply, &d_reply] {
+                    if reply.status != 200 {
+                        bail!("continuation ({way}): {} {}", reply.status, reply.body);
+                    }
                 }
-            }
-            let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
-            let call = gateway_body.to_string();
-            let started = Instant::now();
-            let tokenize_reply = at(&mut connections, &chosen, "/tokenize", &gateway_body)?;
-            let tokenized = started.elapsed();
-            if tokenize_reply.status != 200 {
-                bail!(
-                    "/tokenize: {} {}",
-                    tokenize_reply.status,
-                    tokenize_reply.body
+                let chosen = g_reply.header("x-served-by").unwrap_or("").to_owned();
+                let call = gateway_body.to_string();
+                let started = Instant::now();
+                let tokenize_reply = at(&mut connections, &chosen, "/tokenize", &gateway_body)?;
+                let tokenized = started.elapsed();
+                if tokenize_reply.status != 200 {
+                    bail!(
+                        "/tokenize: {} {}",
+                        tokenize_reply.status,
+                        tokenize_reply.body
+                    );
+                }
+                let answer = tokenize_reply.body;
+                // The filter's own work on this body, natively: plan, token scan, keys.
+                let started = Instant::now();
+                let planned = plan::plan(
+                    &router,
+                    Api::ChatCompletions,
+                    Mode::Precise,
+                    call.as_bytes(),
                 );
-            }
-            let answer = tokenize_reply.body;
-            // The filter's own work on this body, natively: plan, token scan, keys.
-            let started = Instant::now();
-            let planned = plan::plan(
-                &router,
-                Api::ChatCompletions,
-                Mode::Precise,
-                call.as_bytes(),
-            );
-            let Action::Tokenize { .. } = planned.action else {
-                bail!(
-                    "the filter would not tokenize this body: {:?}",
-                    planned.action
+                let Action::Tokenize { .. } = planned.action else {
+                    bail!(
+                        "the filter would not tokenize this body: {:?}",
+                        planned.action
+                    );
+                };
+                tokens::keys_from_tokenize(&router, &planned.extras, answer.as_bytes(), None)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                let computed = started.elapsed();
+                if round < 2 {
+                    continue;
+                }
+                figures.warm += usize::from(
+                    chosen == warm_at && g_reply.header("x-kvaffine-reason") == Some("prefix"),
                 );
-            };
-            tokens::keys_from_tokenize(&router, &planned.extras, answer.as_bytes(), None)
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            let computed = started.elapsed();
+                figures.gateway.push(ms(g));
+                figures.direct.push(ms(d));
+                figures.added.push(ms(g) - ms(d));
+                figures.tokenize.push(ms(tokenized));
+                figures.keys.push(ms(computed));
+            }
             if round < 2 {
                 // Warm-up: connections, VMs, the tokenizer's caches.
                 histograms = snapshot(routed)?;
-                continue;
             }
-            warm += usize::from(
-                chosen == warm_at && g_reply.header("x-kvaffine-reason") == Some("prefix"),
-            );
-            gateway.push(ms(g));
-            direct.push(ms(d));
-            added.push(ms(g) - ms(d));
-            tokenize.push(ms(tokenized));
-            keys.push(ms(computed));
         }
         let after = snapshot(routed)?;
         let mean_ms = |i: usize| {
@@ -2196,18 +2216,33 @@ fn precise_cost() -> anyhow::Result<()> {
             };
             (a.0 - b.0) / (a.1 - b.1).max(1.0) / 1e3
         };
+        // The ways' callouts are their own histograms; the pause is shared by both.
         let (paused, tokenize_callout, lookup_callout, probe, route) =
             (mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3), mean_ms(4));
-        let (added_p50, tokenize_p50) = (median(added.clone()), median(tokenize.clone()));
-        writeln!(
-            out,
-            "| {tokens} tokens | {way} | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {probe:.2} ms | {tokenize_callout:.2} ms | {lookup_callout:.2} ms | {route:.2} ms | {:.2} ms | {:.2} ms | {warm} of {ROUNDS} |",
-            median(gateway),
-            median(direct),
-            added_p50 / tokenize_p50,
-            paused - probe - tokenize_callout - lookup_callout - route,
-            median(keys),
-        )?;
+        for ((way, _), figures) in ways.iter().zip(figures) {
+            let own = |ms: f64, mine: bool| {
+                if mine {
+                    format!("{ms:.2} ms")
+                } else {
+                    "-".to_owned()
+                }
+            };
+            let by_filter = *way == "the filter";
+            let (added_p50, tokenize_p50) = (median(figures.added), median(figures.tokenize));
+            writeln!(
+                out,
+                "| {tokens} tokens | {way} | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {} | {} | {} | {} | {:.2} ms | {} of {ROUNDS} |",
+                median(figures.gateway),
+                median(figures.direct),
+                added_p50 / tokenize_p50,
+                own(probe, by_filter),
+                own(tokenize_callout, by_filter),
+                own(lookup_callout, by_filter),
+                own(route, !by_filter),
+                median(figures.keys),
+                figures.warm,
+            )?;
+        }
     }
     // One replica frozen: 20 clients, each request followed by a sibling straight to the
     // live replica (Stack::check_tokenizing_avoids, which also checks that every request

@@ -335,8 +335,9 @@ pub struct RouteRequest {
     /// routed as the probe routes it, with no tokenizer call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probe: Option<SaltProbe>,
-    /// The filter's deadline for the whole callout, milliseconds: the tokenizer call
-    /// gets no longer.
+    /// The filter's deadline for the whole callout, milliseconds: the tokenizer call gets
+    /// what is left of it less a tenth, so its failure is answered before the filter
+    /// gives up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
 }

@@ -187,14 +187,19 @@ fn read_lookup<T: serde::de::DeserializeOwned>(
     let body = question_body(daemon, body)?;
     let request =
         current(serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?);
-    if request.query.len() > daemon.settings.max_keys {
+    within_max_keys(daemon, request.query.len(), "keys")?;
+    Ok(request)
+}
+
+/// Refuses `count` keys of a question (`what`: "keys", "text keys") past `--max-keys`.
+pub fn within_max_keys(daemon: &Daemon, count: usize, what: &str) -> Result<(), ApiError> {
+    if count > daemon.settings.max_keys {
         return Err(ApiError::TooLarge(format!(
-            "{} keys exceed --max-keys {}",
-            request.query.len(),
+            "{count} {what} exceed --max-keys {}",
             daemon.settings.max_keys
         )));
     }
-    Ok(request)
+    Ok(())
 }
 
 /// Ranks and books `request`, answering in the form `answer` makes of it; timed from
@@ -256,13 +261,11 @@ async fn salt_probe(
     let body = question_body(&daemon, body)?;
     let probe: SaltProbe =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    let text_keys = probe.text.as_ref().map_or(0, Vec::len);
-    if text_keys > daemon.settings.max_keys {
-        return Err(ApiError::TooLarge(format!(
-            "{text_keys} text keys exceed --max-keys {}",
-            daemon.settings.max_keys
-        )));
-    }
+    within_max_keys(
+        &daemon,
+        probe.text.as_ref().map_or(0, Vec::len),
+        "text keys",
+    )?;
     let answer = daemon.probe(&probe, Instant::now());
     daemon
         .metrics

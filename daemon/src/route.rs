@@ -15,14 +15,14 @@ use axum::response::{IntoResponse, Response};
 use kvaffine_core::protocol::{LookupRequest, Query, RouteAnswer, RouteRequest};
 use kvaffine_core::tokens::{self, PromptKeys};
 
-use crate::http::ApiError;
+use crate::http::{ApiError, within_max_keys};
 use crate::state::Daemon;
 
 /// The largest route body: the filter's own default `max_body_bytes`, which bounds what
 /// it buffers and so what it can hand on.
 pub const MAX_ROUTE_BODY_BYTES: usize = 16 * 1024 * 1024;
 
-/// The tokenizer call's deadline when the filter names none: the filter's default.
+/// The callout's deadline when the filter names none: the filter's default.
 const DEFAULT_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// One client for every tokenizer call the daemon makes: its pool keeps a connection to
@@ -52,13 +52,11 @@ pub async fn route(
     let (router, extras) = request.keys.keying().map_err(ApiError::BadRequest)?;
     let mut tokenize_at = None;
     if let Some(probe) = &request.probe {
-        let text_keys = probe.text.as_ref().map_or(0, Vec::len);
-        if text_keys > daemon.settings.max_keys {
-            return Err(ApiError::TooLarge(format!(
-                "{text_keys} text keys exceed --max-keys {}",
-                daemon.settings.max_keys
-            )));
-        }
+        within_max_keys(
+            &daemon,
+            probe.text.as_ref().map_or(0, Vec::len),
+            "text keys",
+        )?;
         let answer = daemon.probe(probe, Instant::now());
         if let Some(route) = answer.route {
             daemon
@@ -88,9 +86,13 @@ pub async fn route(
             daemon.metrics.route_tokenize_failures.inc();
             ApiError::Upstream("no usable replica serves the request's model".into())
         })?;
-    let timeout = request
+    // The filter gives up on the whole callout at its deadline: the tokenizer call gets
+    // what is left of it less a tenth, so that a slow tokenizer is answered with a 502
+    // (text keys) before the filter's own timeout leaves the request unpinned.
+    let deadline = request
         .timeout_ms
         .map_or(DEFAULT_TOKENIZE_TIMEOUT, Duration::from_millis);
+    let timeout = (deadline - deadline / 10).saturating_sub(started.elapsed());
     let call = body.slice_ref(call);
     let tokenizing = Instant::now();
     let tokens = tokenize(&replica, &request.path, call, timeout).await;
@@ -110,13 +112,7 @@ pub async fn route(
         book: request.book,
         candidates: request.candidates,
     };
-    if lookup.query.len() > daemon.settings.max_keys {
-        return Err(ApiError::TooLarge(format!(
-            "{} keys exceed --max-keys {}",
-            lookup.query.len(),
-            daemon.settings.max_keys
-        )));
-    }
+    within_max_keys(&daemon, lookup.query.len(), "keys")?;
     let (ranking, booked) = daemon.lookup(&lookup, Instant::now());
     let answer = RouteAnswer {
         route: ranking.answer(lookup.candidates, booked),

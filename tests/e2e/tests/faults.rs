@@ -324,6 +324,46 @@ fn tokenizer_callouts_avoid_a_frozen_replica() {
     checked.unwrap();
 }
 
+/// Every replica's tokenizer slower than the filter's deadline (`timeout_ms`, 1 s here): a
+/// request loses its precision, never its pin, whichever way it is tokenized. The filter's
+/// own tokenizer callout times out; kvaffined gives a route callout's tokenizer call what
+/// is left of the deadline less a tenth and answers 502 before the filter gives up. Either
+/// way the filter keys the text and pins (`approximate`), where a route callout left to
+/// time out would pass the request on unpinned (`index-unavailable`).
+#[test]
+fn a_tokenizer_slower_than_the_deadline_costs_precision_never_the_pin() {
+    let stack = Stack::start(StackConfig::default()).unwrap();
+    stack.wait_scraped().unwrap();
+    for replica in &stack.replicas {
+        let (status, answer) = replica.post("/debug/tokenizer_delay", &json!({"ms": 5_000}));
+        assert_eq!(status, 204, "{answer}");
+    }
+    for (i, path) in [
+        "/v1/chat/completions",
+        "/index-tokenized/v1/chat/completions",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let reply = post_json(&stack.gateway, path, &prompt(40 + i));
+        assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+        let routed = (
+            reply.header("x-kvaffine-mode"),
+            reply.header("x-kvaffine-endpoint"),
+        );
+        assert_eq!(
+            routed,
+            (Some("approximate"), reply.header("x-served-by")),
+            "{path}: {:?}",
+            reply.headers
+        );
+    }
+    assert_eq!(
+        stack.daemon_metric("kvaffined_route_tokenize_failures_total"),
+        1.0
+    );
+}
+
 /// Two gateways, their daemons peered; the second's kvaffined killed and started again
 /// between each fresh prefix's first request (through the first gateway) and its three
 /// siblings (through the second), all before the replicas' events (3 s late). The

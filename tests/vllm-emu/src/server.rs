@@ -46,6 +46,9 @@ pub struct App {
     /// vLLM 0.32.0 answers so only in the moment before its launcher shuts the server
     /// down (by its code); the emulator holds the state as long as a test needs.
     engine_dead: AtomicBool,
+    /// Set by `POST /debug/tokenizer_delay`: how long `/tokenize` and the render paths
+    /// wait before answering, in milliseconds (a tokenizer slower than a router's deadline).
+    tokenizer_delay_ms: AtomicU64,
     next_id: AtomicU64,
 }
 
@@ -70,7 +73,16 @@ impl App {
             responses: responses_store.then(|| Mutex::new(HashMap::new())),
             started: now(),
             engine_dead: AtomicBool::new(false),
+            tokenizer_delay_ms: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// Waits out the tokenizer delay a test set, if any.
+    async fn tokenizer_delay(&self) {
+        let ms = self.tokenizer_delay_ms.load(Ordering::Relaxed);
+        if ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
     }
 
@@ -157,6 +169,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/cached_tokens", post(debug_cached_tokens))
         .route("/debug/engine_dead", post(debug_engine_dead))
+        .route("/debug/tokenizer_delay", post(debug_tokenizer_delay))
         // Unknown paths read the request body before answering 404, so the connection
         // stays usable for the client's next request (as uvicorn keeps it).
         .fallback(|_: Bytes| async { (StatusCode::NOT_FOUND, axum::Json(json!({"detail": "Not Found"}))) })
@@ -287,6 +300,7 @@ fn check_length(app: &App, tokens: &[u32]) -> Result<(), ApiError> {
 }
 
 async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    app.tokenizer_delay().await;
     let body = parse(&body)?;
     extras(&app, &body)?;
     let return_strs = flag(&body, "return_token_strs", false)?;
@@ -798,6 +812,7 @@ fn rendered(app: &App, body: &Value, tokens: Vec<u32>, max_tokens: Option<&Value
 
 /// `POST /v1/chat/completions/render` (vLLM with `--enable-scale-out`).
 async fn chat_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    app.tokenizer_delay().await;
     let body = parse(&body)?;
     extras(&app, &body)?;
     let tokens = chat_prompt(&body)?;
@@ -810,6 +825,7 @@ async fn chat_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Respons
 
 /// `POST /v1/completions/render` (vLLM with `--enable-scale-out`).
 async fn completion_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    app.tokenizer_delay().await;
     let body = parse(&body)?;
     extras(&app, &body)?;
     let tokens = completion_prompt(&body)?;
@@ -819,6 +835,7 @@ async fn completion_render(State(app): State<Arc<App>>, body: Bytes) -> Result<R
 /// `POST /v1/responses/render` (vLLM with `--enable-scale-out`): the token ids a Responses
 /// request would be prefilled with, as a `GenerateRequest`.
 async fn responses_render(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
+    app.tokenizer_delay().await;
     let body = parse(&body)?;
     extras(&app, &body)?;
     if body
@@ -851,6 +868,21 @@ async fn debug_engine_dead(State(app): State<Arc<App>>, body: Bytes) -> Result<R
         .and_then(Value::as_bool)
         .ok_or_else(|| ApiError::bad("`dead` must be true or false"))?;
     app.engine_dead.store(dead, Ordering::Relaxed);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `{"ms": N}` makes `/tokenize` and the render paths wait N milliseconds before they
+/// answer (0: at once): a fault for the tests.
+async fn debug_tokenizer_delay(
+    State(app): State<Arc<App>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let body = parse(&body)?;
+    let ms = body
+        .get("ms")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| ApiError::bad("`ms` must be a whole number of milliseconds"))?;
+    app.tokenizer_delay_ms.store(ms, Ordering::Relaxed);
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -713,6 +713,27 @@ fn filter_router() -> anyhow::Result<kvaffine_core::config::Router> {
     .router)
 }
 
+/// Sends untimed `/direct/` pings on `connection` (one to each of two replicas, then until
+/// one lands off `replica`), so that the pool's round robin, kept per Envoy worker (and a
+/// connection stays on one), sends the next `/direct/` request to `replica` over a
+/// connection just used.
+fn steer_round_robin(
+    connection: &mut kvaffine_e2e::client::Connection,
+    replica: &str,
+) -> anyhow::Result<()> {
+    let ping = json!({"model": kvaffine_e2e::vllm::SERVED_MODEL, "prompt": "ping"});
+    for sent in 1..=4 {
+        let reply = connection.post_json("/direct/tokenize", &ping);
+        if reply.status != 200 {
+            bail!("`/direct/tokenize`: {} {}", reply.status, reply.body);
+        }
+        if sent >= 2 && reply.header("x-served-by") != Some(replica) {
+            return Ok(());
+        }
+    }
+    bail!("`/direct/` round robin kept landing on {replica}")
+}
+
 /// The median of `values` (NaN if none).
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -1908,7 +1929,9 @@ fn words(seed: usize, n: usize) -> String {
 /// (timed); a sibling continuation of the same length (the last user message differs)
 /// sent straight to the replica the gateway chose (timed; it finds the same cached
 /// prefix); the continuation's own `/tokenize` at that replica (timed). Gateway first in
-/// even rounds, the sibling first in odd ones. Added = gateway - sibling per round. Every
+/// even rounds, the sibling first in odd ones. Added = gateway - sibling per round. The
+/// floor under that, in the same rounds: the same kind of continuation through Envoy with
+/// the filter off, and one sent straight to the replica after its own `/tokenize`. Every
 /// request goes on a kept-alive connection (one to the gateway, one per replica), as
 /// Envoy's own callouts and upstream requests do, so no timing holds a TCP handshake.
 fn precise_cost() -> anyhow::Result<()> {
@@ -2108,13 +2131,32 @@ fn precise_cost() -> anyhow::Result<()> {
         keys: Vec<f64>,
         warm: usize,
     }
-    for target in [1_500usize, 6_000, 30_000] {
+    /// Where added goes, per round beside the ways: the same kind of continuation through
+    /// Envoy with the filter off, and a client that calls `/tokenize` and then the replica.
+    #[derive(Default)]
+    struct Floor {
+        /// Through Envoy with the filter off, and that less its sibling.
+        envoy: Vec<f64>,
+        envoy_added: Vec<f64>,
+        /// `/tokenize` and then the replica, less its sibling.
+        tokenize_first: Vec<f64>,
+    }
+    let mut profile = String::new();
+    writeln!(
+        profile,
+        "| continuation | rounds | its `/tokenize` p50 | `/tokenize`, then the replica, no proxy: added p50 | Envoy alone, filter off: added p50 | the filter's way over Envoy alone p50 | over Envoy alone / `/tokenize` | kvaffined's way over Envoy alone p50 | over Envoy alone / `/tokenize` |"
+    )?;
+    writeln!(profile, "|---|---|---|---|---|---|---|---|---|")?;
+    // More rounds where a round is short: the per-round noise of two warm requests is a
+    // few milliseconds, as large as the budget at 1.5k tokens.
+    for (target, rounds) in [(1_500usize, 75usize), (6_000, 75), (30_000, ROUNDS)] {
         let n = (target as f64 / per_word) as usize;
         let tokens = count(&continuation(2, n, "size", 0))?;
         let mut figures: Vec<Way> = ways.iter().map(|_| Way::default()).collect();
+        let mut floor = Floor::default();
         let mut histograms = snapshot(routed)?;
         let replicas: Vec<String> = stack.upstreams.iter().map(|u| u.http.clone()).collect();
-        for round in 0..ROUNDS + 2 {
+        for round in 0..rounds + 2 {
             let salt = format!("cost-{target}-{round}-{}", std::process::id());
             let seed = target + round;
             // Turn 1 straight to a replica, in turn: the filter's histograms then hold the
@@ -2204,6 +2246,92 @@ fn precise_cost() -> anyhow::Result<()> {
                 figures.tokenize.push(ms(tokenized));
                 figures.keys.push(ms(computed));
             }
+            // The floor under both ways, each arm beside a sibling of its own in the ways'
+            // order: Envoy's proxying alone (`/direct/`, steered onto the replica holding
+            // turn 1), and what any router that calls `/tokenize` adds with no proxy at all
+            // (the client asks the replica's `/tokenize`, then sends it the body).
+            reopen(&mut connections)?;
+            let (proxied, proxied_sibling) = (
+                continuation(seed, n, &salt, 4),
+                continuation(seed, n, &salt, 5),
+            );
+            steer_round_robin(&mut gateway_connection, &warm_at)?;
+            let proxied_path = "/direct/v1/chat/completions";
+            let (e, e_reply, e_sibling) = if round % 2 == 0 {
+                let started = Instant::now();
+                let reply = gateway_connection.post_json(proxied_path, &proxied);
+                let e = started.elapsed();
+                let started = Instant::now();
+                at(
+                    &mut connections,
+                    &warm_at,
+                    "/v1/chat/completions",
+                    &proxied_sibling,
+                )?;
+                (e, reply, started.elapsed())
+            } else {
+                let started = Instant::now();
+                at(
+                    &mut connections,
+                    &warm_at,
+                    "/v1/chat/completions",
+                    &proxied_sibling,
+                )?;
+                let e_sibling = started.elapsed();
+                let started = Instant::now();
+                let reply = gateway_connection.post_json(proxied_path, &proxied);
+                (started.elapsed(), reply, e_sibling)
+            };
+            if e_reply.status != 200 || e_reply.header("x-served-by") != Some(warm_at.as_str()) {
+                bail!(
+                    "`/direct/` was steered onto {warm_at} but answered {} from {:?}",
+                    e_reply.status,
+                    e_reply.header("x-served-by")
+                );
+            }
+            let (first, first_sibling) = (
+                continuation(seed, n, &salt, 6),
+                continuation(seed, n, &salt, 7),
+            );
+            let tokenize_then = |connections: &mut HashMap<String, Connection>| {
+                let started = Instant::now();
+                let tokenized = at(connections, &warm_at, "/tokenize", &first)?;
+                let served = at(connections, &warm_at, "/v1/chat/completions", &first)?;
+                if tokenized.status != 200 || served.status != 200 {
+                    bail!(
+                        "tokenize, then the replica: {} {}",
+                        tokenized.status,
+                        served.status
+                    );
+                }
+                anyhow::Ok(started.elapsed())
+            };
+            let (t, t_sibling) = if round % 2 == 0 {
+                let t = tokenize_then(&mut connections)?;
+                let started = Instant::now();
+                at(
+                    &mut connections,
+                    &warm_at,
+                    "/v1/chat/completions",
+                    &first_sibling,
+                )?;
+                (t, started.elapsed())
+            } else {
+                let started = Instant::now();
+                at(
+                    &mut connections,
+                    &warm_at,
+                    "/v1/chat/completions",
+                    &first_sibling,
+                )?;
+                let t_sibling = started.elapsed();
+                (tokenize_then(&mut connections)?, t_sibling)
+            };
+            if round >= 2 {
+                floor.envoy.push(ms(e));
+                floor.envoy_added.push(ms(e) - ms(e_sibling));
+                floor.tokenize_first.push(ms(t) - ms(t_sibling));
+            }
             if round < 2 {
                 // Warm-up: connections, VMs, the tokenizer's caches.
                 histograms = snapshot(routed)?;
@@ -2219,6 +2347,30 @@ fn precise_cost() -> anyhow::Result<()> {
         // The ways' callouts are their own histograms; the pause is shared by both.
         let (paused, tokenize_callout, lookup_callout, probe, route) =
             (mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3), mean_ms(4));
+        let tokenize_p50 = median(figures.iter().flat_map(|w| w.tokenize.clone()).collect());
+        // Per round, a way's continuation through the filter less the one through Envoy
+        // alone: the filter's whole cost inside this gateway.
+        let over_envoy = |way: Option<&Way>| {
+            way.map_or(f64::NAN, |way| {
+                median(
+                    way.gateway
+                        .iter()
+                        .zip(&floor.envoy)
+                        .map(|(g, e)| g - e)
+                        .collect(),
+                )
+            })
+        };
+        let (filter_over_envoy, index_over_envoy) =
+            (over_envoy(figures.first()), over_envoy(figures.get(1)));
+        writeln!(
+            profile,
+            "| {tokens} tokens | {rounds} | {tokenize_p50:.2} ms | {:.2} ms | {:.2} ms | {filter_over_envoy:.2} ms | {:.2} | {index_over_envoy:.2} ms | {:.2} |",
+            median(floor.tokenize_first),
+            median(floor.envoy_added.clone()),
+            filter_over_envoy / tokenize_p50,
+            index_over_envoy / tokenize_p50,
+        )?;
         for ((way, _), figures) in ways.iter().zip(figures) {
             let own = |ms: f64, mine: bool| {
                 if mine {
@@ -2231,7 +2383,7 @@ fn precise_cost() -> anyhow::Result<()> {
             let (added_p50, tokenize_p50) = (median(figures.added), median(figures.tokenize));
             writeln!(
                 out,
-                "| {tokens} tokens | {way} | {ROUNDS} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {} | {} | {} | {} | {:.2} ms | {} of {ROUNDS} |",
+                "| {tokens} tokens | {way} | {rounds} | {:.2} ms | {:.2} ms | {added_p50:.2} ms | {tokenize_p50:.2} ms | {:.2} | {paused:.2} ms | {} | {} | {} | {} | {:.2} ms | {} of {rounds} |",
                 median(figures.gateway),
                 median(figures.direct),
                 added_p50 / tokenize_p50,
@@ -2244,6 +2396,7 @@ fn precise_cost() -> anyhow::Result<()> {
             )?;
         }
     }
+    write!(out, "\n{profile}")?;
     // One replica frozen: 20 clients, each request followed by a sibling straight to the
     // live replica (Stack::check_tokenizing_avoids, which also checks that every request
     // is tokenized, routed and answered, and that no tokenizer callout goes to the frozen

@@ -86,42 +86,95 @@ fn scan_token_list(bytes: &[u8]) -> Option<Vec<u32>> {
     None
 }
 
+/// Reads an array of plain non-negative integers that fit in a `u32`.
+///
+/// Hot path: a number is read eight bytes at a time (up to seven digits, as every token id
+/// of today's vocabularies) rather than byte by byte. Natively (release, 200 runs, three
+/// repeats, AMD EPYC) a 6,408-token answer took 65-72 us byte by byte and 39 us this way;
+/// the scan was the largest single item of kvaffined's CPU in route callouts (18% of its
+/// samples under `perf`), and the filter runs it under V8.
 fn scan_int_array(bytes: &[u8]) -> Option<Vec<u32>> {
-    let mut i = bytes.iter().position(|c| !c.is_ascii_whitespace())?;
-    if bytes.get(i) != Some(&b'[') {
-        return None;
-    }
-    i += 1;
+    let mut rest = trim_start(bytes).strip_prefix(b"[")?;
     let mut out = Vec::with_capacity(bytes.len() / 7);
+    rest = trim_start(rest);
+    if rest.first() == Some(&b']') {
+        return Some(out);
+    }
     loop {
-        while bytes.get(i).is_some_and(u8::is_ascii_whitespace) {
-            i += 1;
-        }
-        if bytes.get(i) == Some(&b']') && out.is_empty() {
-            return Some(out);
-        }
-        let mut value: u64 = 0;
-        let digits_start = i;
-        while let Some(d) = bytes.get(i).filter(|d| d.is_ascii_digit()) {
-            value = value * 10 + u64::from(d - b'0');
-            if value > u64::from(u32::MAX) {
-                return None;
-            }
-            i += 1;
-        }
-        if i == digits_start {
-            return None;
-        }
-        out.push(value as u32);
-        while bytes.get(i).is_some_and(u8::is_ascii_whitespace) {
-            i += 1;
-        }
-        match bytes.get(i)? {
-            b',' => i += 1,
-            b']' => return Some(out),
+        let (value, after) = read_u32(rest)?;
+        out.push(value);
+        rest = trim_start(after);
+        match rest.split_first()? {
+            (b',', after) => rest = trim_start(after),
+            (b']', _) => return Some(out),
             _ => return None,
         }
     }
+}
+
+/// `bytes` from their first byte that is not JSON whitespace.
+fn trim_start(bytes: &[u8]) -> &[u8] {
+    match bytes.first() {
+        Some(b) if b.is_ascii_whitespace() => {
+            let start = bytes
+                .iter()
+                .position(|c| !c.is_ascii_whitespace())
+                .unwrap_or(bytes.len());
+            bytes.get(start..).unwrap_or_default()
+        }
+        _ => bytes,
+    }
+}
+
+/// The number `bytes` start with (digits only; leading zeros allowed) and what follows it;
+/// `None` without a digit or past `u32::MAX`.
+fn read_u32(bytes: &[u8]) -> Option<(u32, &[u8])> {
+    if let Some(head) = bytes.first_chunk::<8>() {
+        let word = u64::from_le_bytes(*head);
+        let len = leading_digits(word);
+        if len == 0 {
+            return None;
+        }
+        if len < 8 {
+            return Some((digits_value(word, len), bytes.get(len..)?));
+        }
+    }
+    let mut value: u32 = 0;
+    let mut len = 0;
+    for &b in bytes {
+        let digit = b.wrapping_sub(b'0');
+        if digit > 9 {
+            break;
+        }
+        value = value.checked_mul(10)?.checked_add(u32::from(digit))?;
+        len += 1;
+    }
+    if len == 0 {
+        return None;
+    }
+    Some((value, bytes.get(len..)?))
+}
+
+/// Every byte of a `u64`.
+const ONES: u64 = 0x0101_0101_0101_0101;
+
+/// How many ASCII digits eight bytes (little-endian: the first byte lowest) start with. A
+/// byte is a digit when its high nibble is 3 and adding 6 keeps it 3; a carry out of a
+/// byte of 0xFA or more only reaches the bytes after it, past the run.
+fn leading_digits(word: u64) -> usize {
+    let high = (word & (0xF0 * ONES)) ^ (0x30 * ONES);
+    let low = (word.wrapping_add(0x06 * ONES) & (0xF0 * ONES)) ^ (0x30 * ONES);
+    ((high | low).trailing_zeros() / 8) as usize
+}
+
+/// The value of the first `len` (1 to 7) ASCII digits of eight bytes (little-endian): the
+/// digits moved to the top, then pairs, fours and eights combined by multiplication.
+fn digits_value(word: u64, len: usize) -> u32 {
+    let digits = (word << (8 * (8 - len))) & (0x0F * ONES);
+    let pairs = (digits.wrapping_mul(1 + (10 << 8)) >> 8) & 0x00FF_00FF_00FF_00FF;
+    let fours = (pairs.wrapping_mul(1 + (100 << 16)) >> 16) & 0x0000_FFFF_0000_FFFF;
+    // At most seven digits: the value fits in a u32.
+    (fours.wrapping_mul(1 + (10_000 << 32)) >> 32) as u32
 }
 
 /// A prompt's block keys, and how many of its blocks vLLM can serve from its cache: it
@@ -268,6 +321,75 @@ mod tests {
         ];
         for (case, want) in cases.iter().zip(expected) {
             assert_eq!(token_list(case), want, "{}", String::from_utf8_lossy(case));
+        }
+    }
+
+    /// The eight-bytes-at-a-time number reader against serde, on arrays of every digit
+    /// count (leading zeros, `u32::MAX` and past it), at every distance from the end of
+    /// the buffer, and on bytes next to the digits (`/`, `:`) or that carry (0xFA-0xFF).
+    #[test]
+    fn the_token_scan_reads_numbers_of_every_length_as_serde_does() {
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let pieces: &[&[u8]] = &[
+            b"0",
+            b"7",
+            b"42",
+            b"151643",
+            b"0000001",
+            b"1234567",
+            b"12345678",
+            b"4294967295",
+            b"4294967296",
+            b"99999999999",
+            b" ",
+            b",",
+            b"/",
+            b":",
+            b"\xfa",
+            b"\xff",
+            b"-1",
+            b"1e3",
+        ];
+        for _ in 0..20_000 {
+            let mut answer = b"{\"tokens\":[".to_vec();
+            for i in 0..next() % 6 {
+                if i > 0 {
+                    answer.push(b',');
+                }
+                for _ in 0..1 + next() % 2 {
+                    let piece = pieces.get((next() % pieces.len() as u64) as usize).unwrap();
+                    answer.extend_from_slice(piece);
+                }
+            }
+            answer.extend_from_slice(b"]}");
+            #[derive(Deserialize)]
+            struct Answer {
+                tokens: Vec<u32>,
+            }
+            let parsed = serde_json::from_slice::<Answer>(&answer)
+                .ok()
+                .map(|a| a.tokens);
+            let scanned = scan_token_list(&answer);
+            // The scan may refuse what serde reads (it then falls back to serde), never
+            // read it otherwise; it reads leading zeros, which serde refuses.
+            if let Some(parsed) = parsed {
+                assert_eq!(
+                    scanned,
+                    Some(parsed),
+                    "{}",
+                    String::from_utf8_lossy(&answer)
+                );
+            }
+            assert_eq!(
+                token_list(&answer).is_some(),
+                scanned.is_some() || serde_json::from_slice::<Answer>(&answer).is_ok()
+            );
         }
     }
 

@@ -2255,29 +2255,25 @@ fn precise_cost() -> anyhow::Result<()> {
                 continuation(seed, n, &salt, 4),
                 continuation(seed, n, &salt, 5),
             );
+            // A sibling straight to the replica holding turn 1, timed; it must be answered.
+            let sibling = |connections: &mut HashMap<String, Connection>,
+                           body: &serde_json::Value| {
+                let started = Instant::now();
+                let reply = at(connections, &warm_at, "/v1/chat/completions", body)?;
+                if reply.status != 200 {
+                    bail!("sibling: {} {}", reply.status, reply.body);
+                }
+                anyhow::Ok(started.elapsed())
+            };
             steer_round_robin(&mut gateway_connection, &warm_at)?;
             let proxied_path = "/direct/v1/chat/completions";
             let (e, e_reply, e_sibling) = if round % 2 == 0 {
                 let started = Instant::now();
                 let reply = gateway_connection.post_json(proxied_path, &proxied);
                 let e = started.elapsed();
-                let started = Instant::now();
-                at(
-                    &mut connections,
-                    &warm_at,
-                    "/v1/chat/completions",
-                    &proxied_sibling,
-                )?;
-                (e, reply, started.elapsed())
+                (e, reply, sibling(&mut connections, &proxied_sibling)?)
             } else {
-                let started = Instant::now();
-                at(
-                    &mut connections,
-                    &warm_at,
-                    "/v1/chat/completions",
-                    &proxied_sibling,
-                )?;
-                let e_sibling = started.elapsed();
+                let e_sibling = sibling(&mut connections, &proxied_sibling)?;
                 let started = Instant::now();
                 let reply = gateway_connection.post_json(proxied_path, &proxied);
                 (started.elapsed(), reply, e_sibling)
@@ -2308,23 +2304,9 @@ fn precise_cost() -> anyhow::Result<()> {
             };
             let (t, t_sibling) = if round % 2 == 0 {
                 let t = tokenize_then(&mut connections)?;
-                let started = Instant::now();
-                at(
-                    &mut connections,
-                    &warm_at,
-                    "/v1/chat/completions",
-                    &first_sibling,
-                )?;
-                (t, started.elapsed())
+                (t, sibling(&mut connections, &first_sibling)?)
             } else {
-                let started = Instant::now();
-                at(
-                    &mut connections,
-                    &warm_at,
-                    "/v1/chat/completions",
-                    &first_sibling,
-                )?;
-                let t_sibling = started.elapsed();
+                let t_sibling = sibling(&mut connections, &first_sibling)?;
                 (tokenize_then(&mut connections)?, t_sibling)
             };
             if round >= 2 {

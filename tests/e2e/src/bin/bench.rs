@@ -2135,8 +2135,9 @@ fn precise_cost() -> anyhow::Result<()> {
     /// Envoy with the filter off, and a client that calls `/tokenize` and then the replica.
     #[derive(Default)]
     struct Floor {
-        /// Through Envoy with the filter off, and that less its sibling.
+        /// Through Envoy with the filter off.
         envoy: Vec<f64>,
+        /// That less its sibling.
         envoy_added: Vec<f64>,
         /// `/tokenize` and then the replica, less its sibling.
         tokenize_first: Vec<f64>,
@@ -2329,7 +2330,12 @@ fn precise_cost() -> anyhow::Result<()> {
         // The ways' callouts are their own histograms; the pause is shared by both.
         let (paused, tokenize_callout, lookup_callout, probe, route) =
             (mean_ms(0), mean_ms(1), mean_ms(2), mean_ms(3), mean_ms(4));
-        let tokenize_p50 = median(figures.iter().flat_map(|w| w.tokenize.clone()).collect());
+        let tokenize_p50 = median(
+            figures
+                .iter()
+                .flat_map(|w| w.tokenize.iter().copied())
+                .collect(),
+        );
         // Per round, a way's continuation through the filter less the one through Envoy
         // alone: the filter's whole cost inside this gateway.
         let over_envoy = |way: Option<&Way>| {
@@ -2349,7 +2355,7 @@ fn precise_cost() -> anyhow::Result<()> {
             profile,
             "| {tokens} tokens | {rounds} | {tokenize_p50:.2} ms | {:.2} ms | {:.2} ms | {filter_over_envoy:.2} ms | {:.2} | {index_over_envoy:.2} ms | {:.2} |",
             median(floor.tokenize_first),
-            median(floor.envoy_added.clone()),
+            median(floor.envoy_added),
             filter_over_envoy / tokenize_p50,
             index_over_envoy / tokenize_p50,
         )?;

@@ -1,6 +1,9 @@
 //! Backlogs: the prefill each pick queues on its replica, drained at the replica's speed
 //! (a replica prefills one batch after another, so work booked together finishes one after
-//! another) and at once for a pick when the replica's events store its last block.
+//! another) and at once for a pick when the replica's events store its last block. The
+//! same confirmations time the replica: while a pick waits for its last block the replica
+//! is busy, so the work confirmed over a busy period is what it prefilled in that time,
+//! known before any of its requests finishes (see [`Confirmed`]).
 //!
 //! Every lookup reads every replica's backlog, so reading one costs a few operations per
 //! replica and per key of the request, never a walk of the queued picks: each queue keeps
@@ -11,7 +14,7 @@
 //! (`docs/benchmarks/daemon.md`).
 
 use std::collections::{HashMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use foldhash::fast::RandomState;
 use kvaffine_core::BlockKey;
@@ -22,16 +25,134 @@ use crate::slots::Slot;
 /// own confirmation is then lost, and its work drains with the next pick's).
 const MAX_QUEUED_PICKS: usize = 1024;
 
+/// How long a timed pick (see [`ConfirmedBy::LastBlock`]) that the speed has drained is
+/// still awaited: a replica measured slower than it is drains its queue late, one measured
+/// faster early, and only the events say when a pick was really prefilled. One that never
+/// comes (its request failed before prefill, or its events were lost) stops counting
+/// after this.
+const TIMED_FOR: Duration = Duration::from_secs(30);
+
+/// What confirms a pick: the replica's events storing one of its keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfirmedBy {
+    /// Nothing (a text-keyed pick): it drains at the replica's speed only.
+    Nothing,
+    /// This key, which may be stored before the pick's prefill ends (a salt's first
+    /// block) or not at all (a block the replica holds already).
+    Key(u64),
+    /// Its last block, which the replica does not hold yet: stored when its prefill is
+    /// done, so the time it took times the replica.
+    LastBlock(u64),
+}
+
+impl ConfirmedBy {
+    fn key(self) -> Option<u64> {
+        match self {
+            Self::Nothing => None,
+            Self::Key(key) | Self::LastBlock(key) => Some(key),
+        }
+    }
+}
+
+/// Prefill a replica's events confirmed: `work` uncached-token equivalents (a pick's own,
+/// as the ranking counted it) in `seconds` during which some timed pick was awaited, so
+/// the replica was busy. A lower bound on its speed, near it once the period holds a few
+/// picks: the time also holds the hops before the replica schedules the first.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Confirmed {
+    /// Work confirmed in the busy period so far.
+    pub work: f64,
+    /// Seconds since the busy period began.
+    pub seconds: f64,
+}
+
 /// One pick in a replica's queue.
 #[derive(Clone, Copy, Debug)]
 struct QueuedPick {
     /// Numbered in queue order, so a pick is found by binary search.
     number: u64,
-    /// The last block key it booked (None for a text-keyed pick, which no event confirms).
-    last_key: Option<u64>,
+    /// What confirms it.
+    confirmed_by: ConfirmedBy,
     /// The queue position at which it is prefilled: the work of the picks before it and
     /// its own.
     end: f64,
+}
+
+/// A timed pick still awaited.
+#[derive(Clone, Copy, Debug)]
+struct Awaited {
+    number: u64,
+    last_key: u64,
+    work: f64,
+    queued_at: Instant,
+}
+
+/// The timed picks of one replica, awaited until their last block is stored whether or not
+/// the speed has drained them, and the busy period they make.
+#[derive(Clone, Debug, Default)]
+struct Timing {
+    /// Oldest first, so numbers ascend.
+    awaited: VecDeque<Awaited>,
+    /// When the oldest awaited pick's period began: a pick queued while none was awaited.
+    busy_since: Option<Instant>,
+    /// Work confirmed since then.
+    done: f64,
+}
+
+impl Timing {
+    fn holds(&self, number: u64) -> bool {
+        self.awaited
+            .binary_search_by_key(&number, |pick| pick.number)
+            .is_ok()
+    }
+
+    /// Awaits a pick queued at `now`; returns the oldest if the bound pushed it out.
+    fn push(&mut self, pick: Awaited) -> Option<Awaited> {
+        if self.awaited.is_empty() {
+            self.busy_since = Some(pick.queued_at);
+            self.done = 0.0;
+        }
+        self.awaited.push_back(pick);
+        if self.awaited.len() > MAX_QUEUED_PICKS {
+            return self.awaited.pop_front();
+        }
+        None
+    }
+
+    /// The picks numbered `done` (sorted) were prefilled by `now`.
+    fn confirm(&mut self, done: &[u64], now: Instant) -> Option<Confirmed> {
+        let before = self.done;
+        self.awaited.retain(|pick| {
+            let found = done.binary_search(&pick.number).is_ok();
+            if found {
+                self.done += pick.work;
+            }
+            !found
+        });
+        let since = self.busy_since?;
+        let confirmed = (self.done > before).then(|| Confirmed {
+            work: self.done,
+            seconds: now.saturating_duration_since(since).as_secs_f64(),
+        });
+        if self.awaited.is_empty() {
+            self.busy_since = None;
+        }
+        confirmed
+    }
+
+    /// Stops awaiting picks queued [`TIMED_FOR`] before `now` that the queue no longer
+    /// holds (numbered below `queued_from`); each goes to `gone`.
+    fn expire(&mut self, now: Instant, queued_from: u64, gone: &mut impl FnMut(&Awaited)) {
+        while let Some(oldest) = self.awaited.front().filter(|pick| {
+            pick.number < queued_from && now.saturating_duration_since(pick.queued_at) >= TIMED_FOR
+        }) {
+            gone(oldest);
+            self.awaited.pop_front();
+        }
+        if self.awaited.is_empty() {
+            self.busy_since = None;
+        }
+    }
 }
 
 /// Prefill queued on one replica by picks, first in first out.
@@ -42,6 +163,7 @@ struct PrefillQueue {
     drained: f64,
     at: Option<Instant>,
     next_number: u64,
+    timing: Timing,
 }
 
 impl PrefillQueue {
@@ -54,39 +176,76 @@ impl PrefillQueue {
             })
     }
 
-    /// Drains what `tokens_per_second` prefilled since the last change; each pick drained
-    /// whole goes to `gone`.
-    fn settle(&mut self, now: Instant, tokens_per_second: f64, gone: &mut impl FnMut(&QueuedPick)) {
+    fn holds(&self, number: u64) -> bool {
+        self.picks
+            .binary_search_by_key(&number, |pick| pick.number)
+            .is_ok()
+    }
+
+    /// Drains what `tokens_per_second` prefilled since the last change, and stops awaiting
+    /// timed picks past [`TIMED_FOR`]. `unindex` gets (key, number) of each pick no event
+    /// can confirm any more: out of the queue and no longer awaited.
+    fn settle(&mut self, now: Instant, tokens_per_second: f64, unindex: &mut impl FnMut(u64, u64)) {
         self.drained = self.position(now, tokens_per_second);
         self.at = Some(self.at.map_or(now, |at| at.max(now)));
         while let Some(front) = self.picks.front().filter(|pick| pick.end <= self.drained) {
-            gone(front);
+            if let Some(key) = front.confirmed_by.key() {
+                if !self.timing.holds(front.number) {
+                    unindex(key, front.number);
+                }
+            }
             self.picks.pop_front();
         }
         if self.picks.is_empty() {
             self.drained = 0.0;
         }
+        let queued_from = self
+            .picks
+            .front()
+            .map_or(self.next_number, |pick| pick.number);
+        self.timing.expire(now, queued_from, &mut |pick| {
+            unindex(pick.last_key, pick.number)
+        });
     }
 
-    /// Queues `work` tokens behind the rest (the queue settled first); returns the pick's
-    /// number. A pick pushed out by the bound goes to `gone`.
+    /// Queues `work` tokens behind the rest at `now` (the queue settled first); returns
+    /// the pick's number. `unindex` gets what the bounds push out, as for
+    /// [`Self::settle`].
     fn push(
         &mut self,
         work: f64,
-        last_key: Option<u64>,
-        gone: &mut impl FnMut(&QueuedPick),
+        confirmed_by: ConfirmedBy,
+        now: Instant,
+        unindex: &mut impl FnMut(u64, u64),
     ) -> u64 {
         let start = self.picks.back().map_or(self.drained, |last| last.end);
         let number = self.next_number;
         self.next_number += 1;
         self.picks.push_back(QueuedPick {
             number,
-            last_key,
+            confirmed_by,
             end: start + work,
         });
+        if let ConfirmedBy::LastBlock(last_key) = confirmed_by {
+            let awaited = Awaited {
+                number,
+                last_key,
+                work,
+                queued_at: now,
+            };
+            if let Some(oldest) = self.timing.push(awaited) {
+                if !self.holds(oldest.number) {
+                    unindex(oldest.last_key, oldest.number);
+                }
+            }
+        }
         if self.picks.len() > MAX_QUEUED_PICKS {
             if let Some(oldest) = self.picks.pop_front() {
-                gone(&oldest);
+                if let Some(key) = oldest.confirmed_by.key() {
+                    if !self.timing.holds(oldest.number) {
+                        unindex(key, oldest.number);
+                    }
+                }
             }
         }
         number
@@ -148,17 +307,15 @@ pub struct Backlogs {
     by_last_key: HashMap<u64, Vec<(Slot, u64)>, RandomState>,
 }
 
-/// Forgets `slot`'s pick in `by_last_key`.
+/// Forgets `slot`'s pick `number`, confirmed by `key`, in `by_last_key`.
 fn unindex(
     by_last_key: &mut HashMap<u64, Vec<(Slot, u64)>, RandomState>,
     slot: Slot,
-    pick: &QueuedPick,
+    key: u64,
+    number: u64,
 ) {
-    let Some(key) = pick.last_key else {
-        return;
-    };
     if let Some(picks) = by_last_key.get_mut(&key) {
-        picks.retain(|&entry| entry != (slot, pick.number));
+        picks.retain(|&entry| entry != (slot, number));
         if picks.is_empty() {
             by_last_key.remove(&key);
         }
@@ -194,7 +351,9 @@ impl Backlogs {
         ) else {
             return false;
         };
-        queue.settle(now, rate, &mut |pick| unindex(by_last_key, slot, pick));
+        queue.settle(now, rate, &mut |key, number| {
+            unindex(by_last_key, slot, key, number)
+        });
         true
     }
 
@@ -210,28 +369,30 @@ impl Backlogs {
         }
     }
 
-    /// A pick at `now` adds `work` to `slot`'s queue, done once `slot` stores `last_key`.
-    pub fn add(&mut self, slot: Slot, work: u64, last_key: Option<u64>, now: Instant) {
+    /// A pick at `now` adds `work` to `slot`'s queue, done once `slot` stores the key of
+    /// `confirmed_by`.
+    pub fn add(&mut self, slot: Slot, work: u64, confirmed_by: ConfirmedBy, now: Instant) {
         self.grow(slot);
         self.settle(slot, now);
         let by_last_key = &mut self.by_last_key;
         let Some(queue) = self.queues.get_mut(slot.index()) else {
             return;
         };
-        let number = queue.push(work as f64, last_key, &mut |pick| {
-            unindex(by_last_key, slot, pick)
+        let number = queue.push(work as f64, confirmed_by, now, &mut |key, number| {
+            unindex(by_last_key, slot, key, number)
         });
-        if let Some(key) = last_key {
+        if let Some(key) = confirmed_by.key() {
             by_last_key.entry(key).or_default().push((slot, number));
         }
     }
 
-    /// `slot` stored these keys: the picks ending in one of them are done. Picks queued
-    /// before them drain on: a pick's last block may be an early block of a longer prompt
-    /// still being prefilled.
-    pub fn confirm(&mut self, slot: Slot, stored: &[u64], now: Instant) {
+    /// `slot` stored these keys at `now`: the picks confirmed by one of them are done.
+    /// Picks queued before them drain on: a pick's last block may be an early block of a
+    /// longer prompt still being prefilled. Returns what the replica was timed at, if this
+    /// confirmed a timed pick.
+    pub fn confirm(&mut self, slot: Slot, stored: &[u64], now: Instant) -> Option<Confirmed> {
         if !self.settle(slot, now) || self.by_last_key.is_empty() {
-            return;
+            return None;
         }
         let mut done = Vec::new();
         for key in stored {
@@ -250,12 +411,12 @@ impl Backlogs {
             }
         }
         if done.is_empty() {
-            return;
+            return None;
         }
         done.sort_unstable();
-        if let Some(queue) = self.queues.get_mut(slot.index()) {
-            queue.remove(&done);
-        }
+        let queue = self.queues.get_mut(slot.index())?;
+        queue.remove(&done);
+        queue.timing.confirm(&done, now)
     }
 
     /// Prefill still queued per slot (by slot number) at `now`, in uncached-token equivalents, for a
@@ -303,7 +464,12 @@ impl Backlogs {
     pub fn forget_slot(&mut self, slot: Slot) {
         if let Some(queue) = self.queues.get_mut(slot.index()) {
             for pick in &queue.picks {
-                unindex(&mut self.by_last_key, slot, pick);
+                if let Some(key) = pick.confirmed_by.key() {
+                    unindex(&mut self.by_last_key, slot, key, pick.number);
+                }
+            }
+            for pick in &queue.timing.awaited {
+                unindex(&mut self.by_last_key, slot, pick.last_key, pick.number);
             }
             *queue = PrefillQueue::default();
         }
@@ -335,9 +501,9 @@ mod tests {
         let a = slot(0);
         let now = Instant::now();
         let mut backlogs = Backlogs::new(1000.0);
-        backlogs.add(a, 300, Some(1), now);
-        backlogs.add(a, 300, Some(2), now);
-        backlogs.add(a, 300, None, now);
+        backlogs.add(a, 300, ConfirmedBy::Key(1), now);
+        backlogs.add(a, 300, ConfirmedBy::Key(2), now);
+        backlogs.add(a, 300, ConfirmedBy::Nothing, now);
         assert_eq!(backlogs.pending_tokens(now, &[]), [900]);
         let later = now + Duration::from_millis(100);
         assert_eq!(backlogs.pending_tokens(later, &[]), [800]);
@@ -352,11 +518,11 @@ mod tests {
         assert_eq!(backlogs.pending_tokens(later, &[]), [300]);
         // A lookup's clock older than the last change drains nothing twice.
         assert_eq!(backlogs.pending_tokens(now, &[]), [300]);
-        backlogs.add(a, 0, None, now);
+        backlogs.add(a, 0, ConfirmedBy::Nothing, now);
         assert_eq!(backlogs.pending_tokens(later, &[]), [300]);
         let drained = later + Duration::from_secs(1);
         assert_eq!(backlogs.pending_tokens(drained, &[]), [0]);
-        backlogs.add(a, 50, Some(3), drained);
+        backlogs.add(a, 50, ConfirmedBy::Key(3), drained);
         assert_eq!(backlogs.pending_tokens(drained, &[]), [50]);
         assert_eq!(backlogs.indexed(), 1);
     }
@@ -368,7 +534,7 @@ mod tests {
         let mut backlogs = Backlogs::new(1.0);
         let picks = MAX_QUEUED_PICKS as u64 + 10;
         for key in 0..picks {
-            backlogs.add(a, 1, Some(key), now);
+            backlogs.add(a, 1, ConfirmedBy::Key(key), now);
         }
         assert_eq!(backlogs.indexed(), MAX_QUEUED_PICKS);
         assert_eq!(backlogs.pending_tokens(now, &[]), [picks]);
@@ -387,9 +553,9 @@ mod tests {
         let now = Instant::now();
         let mut backlogs = Backlogs::new(1000.0);
         backlogs.set_speed(b, 2000.0, now);
-        backlogs.add(a, 300, Some(11), now);
-        backlogs.add(a, 300, Some(12), now);
-        backlogs.add(b, 600, Some(11), now);
+        backlogs.add(a, 300, ConfirmedBy::Key(11), now);
+        backlogs.add(a, 300, ConfirmedBy::Key(12), now);
+        backlogs.add(b, 600, ConfirmedBy::Key(11), now);
         let later = now + Duration::from_millis(200);
         assert_eq!(backlogs.pending_tokens(later, &[]), [400, 200]);
         // A request whose prefix A's second pick prefills does not wait for that pick
@@ -419,7 +585,7 @@ mod tests {
         let now = Instant::now();
         let mut backlogs = Backlogs::new(1000.0);
         for (work, key) in [(100, 1), (200, 2), (300, 3)] {
-            backlogs.add(a, work, Some(key), now);
+            backlogs.add(a, work, ConfirmedBy::Key(key), now);
         }
         let later = now + Duration::from_millis(150);
         // 150 drained: the first pick is gone by the speed, the second half done.
@@ -430,16 +596,113 @@ mod tests {
         assert_eq!(backlogs.pending_tokens(later, &[]), [300]);
         assert_eq!(backlogs.pending_tokens(later, &keys(&[3])), [0]);
         assert_eq!(backlogs.indexed(), 1);
-        backlogs.add(a, 10, Some(4), later + Duration::from_millis(250));
+        backlogs.add(
+            a,
+            10,
+            ConfirmedBy::Key(4),
+            later + Duration::from_millis(250),
+        );
         assert_eq!(
             backlogs.pending_tokens(later + Duration::from_millis(250), &[]),
             [60]
         );
-        backlogs.add(a, 10, Some(5), later + Duration::from_millis(400));
+        backlogs.add(
+            a,
+            10,
+            ConfirmedBy::Key(5),
+            later + Duration::from_millis(400),
+        );
         assert_eq!(backlogs.indexed(), 1);
         assert_eq!(
             backlogs.pending_tokens(later + Duration::from_millis(400), &[]),
             [10]
         );
+    }
+
+    #[test]
+    fn timed_picks_are_awaited_past_the_speeds_drain_and_time_the_replica() {
+        let a = slot(0);
+        let now = Instant::now();
+        let at = |ms: u64| now + Duration::from_millis(ms);
+        // The speed says 10,000 tokens/s; the replica does 2,000.
+        let mut backlogs = Backlogs::new(10_000.0);
+        backlogs.add(a, 1000, ConfirmedBy::LastBlock(1), now);
+        backlogs.add(a, 1000, ConfirmedBy::LastBlock(2), now);
+        backlogs.settle(a, at(200));
+        assert_eq!(backlogs.pending_tokens(at(200), &[]), [0]);
+        // Drained by the speed, still awaited: their events confirm them when they come.
+        assert_eq!(backlogs.indexed(), 2);
+        let first = backlogs.confirm(a, &[1], at(500));
+        assert_eq!(
+            first,
+            Some(Confirmed {
+                work: 1000.0,
+                seconds: 0.5
+            })
+        );
+        let second = backlogs.confirm(a, &[2], at(1000));
+        assert_eq!(
+            second,
+            Some(Confirmed {
+                work: 2000.0,
+                seconds: 1.0
+            })
+        );
+        assert_eq!(backlogs.indexed(), 0);
+        // Nothing awaited between: the next pick starts a busy period of its own.
+        backlogs.add(a, 600, ConfirmedBy::LastBlock(3), at(5000));
+        let third = backlogs.confirm(a, &[3], at(5300));
+        assert_eq!(third.map(|c| c.work), Some(600.0));
+        assert!(
+            third.is_some_and(|c| (c.seconds - 0.3).abs() < 1e-9),
+            "{third:?}"
+        );
+        // Picks confirmed by a key that may come early (a salt's first block) or not at all
+        // (a block held already) time nothing, and a key no pick awaits confirms nothing.
+        backlogs.add(a, 600, ConfirmedBy::Key(4), at(6000));
+        assert_eq!(backlogs.confirm(a, &[4], at(6100)), None);
+        assert_eq!(backlogs.confirm(a, &[3], at(6100)), None);
+    }
+
+    #[test]
+    fn a_timed_pick_whose_event_never_comes_stops_counting_once_drained_and_old() {
+        let a = slot(0);
+        let now = Instant::now();
+        let mut backlogs = Backlogs::new(1000.0);
+        backlogs.add(a, 100, ConfirmedBy::LastBlock(1), now);
+        let expired = now + TIMED_FOR;
+        backlogs.add(a, 100, ConfirmedBy::LastBlock(2), expired);
+        // The first is forgotten: its key confirms nothing, and the busy period is the
+        // second's alone.
+        assert_eq!(backlogs.indexed(), 1);
+        assert_eq!(backlogs.confirm(a, &[1], expired), None);
+        let confirmed = backlogs.confirm(a, &[2], expired + Duration::from_millis(400));
+        assert_eq!(confirmed.map(|c| c.work), Some(100.0));
+        assert!(
+            confirmed.is_some_and(|c| (c.seconds - 0.4).abs() < 1e-9),
+            "{confirmed:?}"
+        );
+        // One the speed has not drained yet (a replica measured slow) is awaited as long
+        // as it is queued.
+        let mut slow = Backlogs::new(1.0);
+        slow.add(a, 1000, ConfirmedBy::LastBlock(7), now);
+        slow.add(a, 1, ConfirmedBy::Nothing, now + TIMED_FOR * 2);
+        let late = slow.confirm(a, &[7], now + TIMED_FOR * 2);
+        assert_eq!(late.map(|c| c.work), Some(1000.0));
+    }
+
+    #[test]
+    fn timed_picks_are_awaited_within_the_bound() {
+        let a = slot(0);
+        let now = Instant::now();
+        let mut backlogs = Backlogs::new(1e9);
+        let picks = MAX_QUEUED_PICKS as u64 + 10;
+        for key in 0..picks {
+            backlogs.add(a, 1, ConfirmedBy::LastBlock(key), now);
+        }
+        assert_eq!(backlogs.indexed(), MAX_QUEUED_PICKS);
+        assert_eq!(backlogs.confirm(a, &[0], now), None);
+        backlogs.forget_slot(a);
+        assert_eq!(backlogs.indexed(), 0);
     }
 }

@@ -11,11 +11,20 @@
 //! fitted by least squares over the samples, older samples weighing less. Nothing here is
 //! set by hand: with no flag given, the ranking drains and weighs each replica's work at
 //! what it measured.
+//!
+//! Until the metrics are evidence enough, the replica's KV events time it: the work of
+//! the picks whose last block it stored over the time it was busy with them
+//! ([`Confirmed`]): a replica is then ranked by its speed after its first prefill, where
+//! its metrics need two finished requests and the scrape that reads them (on a real vLLM
+//! pair, one replica 1.9x slower than the other, 32 conversations that arrived within 2 s
+//! were all placed before either was measured).
 
 use std::time::{Duration, Instant};
 
 use kvaffine_core::PrefillSpeed;
 use serde::Serialize;
+
+use crate::backlog::Confirmed;
 
 /// Each new sample multiplies the weight of the older ones by this: about the last 20
 /// scrapes that saw requests finish count (10 s of steady traffic at the default scrape
@@ -27,6 +36,11 @@ const DECAY: f64 = 0.95;
 /// "hi") would make a fast replica look slow.
 const MIN_REQUESTS: f64 = 2.0;
 const MIN_COMPUTED_TOKENS: f64 = 2048.0;
+
+/// A busy period must be this long before its events time the replica: shorter, the
+/// hops between the pick, the replica and its event (a millisecond or two on one host)
+/// are most of it. The work must be [`MIN_COMPUTED_TOKENS`] too.
+const MIN_TIMED_SECONDS: f64 = 0.05;
 
 /// Below this share of its diagonal, the fit's determinant says every sample had about
 /// the same tokens per request: overhead and speed cannot be told apart, and the speed is
@@ -178,6 +192,8 @@ pub struct SpeedLearner {
     /// The figures from before the last gap of [`CURRENT_FOR`], until the samples since
     /// are evidence enough: what the fleet's median counts for the replica meanwhile.
     before_gap: Option<PrefillSpeed>,
+    /// Tokens per second its events last timed, and when.
+    timed: Option<(f64, Instant)>,
 }
 
 impl Default for SpeedLearner {
@@ -200,7 +216,36 @@ impl SpeedLearner {
             per_request: None,
             sampled_at: None,
             before_gap: None,
+            timed: None,
         }
+    }
+
+    /// Takes what the replica's events confirmed at `at`. True if the ranking's figure
+    /// for it may have changed: its metrics have measured nothing yet.
+    pub fn observe_confirmed(&mut self, confirmed: Confirmed, at: Instant) -> bool {
+        let Confirmed { work, seconds } = confirmed;
+        if !(work >= MIN_COMPUTED_TOKENS && seconds >= MIN_TIMED_SECONDS) {
+            return false;
+        }
+        let rate = (work / seconds).clamp(MIN_TOKENS_PER_SECOND, MAX_TOKENS_PER_SECOND);
+        self.timed = Some((rate, at));
+        self.measured().is_none()
+    }
+
+    /// What its events timed, while its metrics have measured nothing and the last timed
+    /// pick was confirmed within [`CURRENT_FOR`] before `now`. The fixed cost is the
+    /// default's in seconds: the events time it with the work, and cannot tell it apart.
+    pub fn timed(&self, now: Instant) -> Option<PrefillSpeed> {
+        if self.measured().is_some() {
+            return None;
+        }
+        let (tokens_per_second, at) = self.timed?;
+        let default = PrefillSpeed::DEFAULT;
+        (now.saturating_duration_since(at) < CURRENT_FOR).then(|| PrefillSpeed {
+            tokens_per_second,
+            overhead_tokens: default.overhead_tokens / default.tokens_per_second
+                * tokens_per_second,
+        })
     }
 
     /// Takes one scrape's counters. A counter that went back is a restarted replica: its
@@ -332,6 +377,9 @@ pub enum SpeedSource {
     /// What a peer daemon measured of it, taken when this daemon started: it has not
     /// measured the replica itself yet.
     Peer,
+    /// Its own KV events (the prefill its picks' last blocks confirmed over the time it was
+    /// busy with them): its metrics have measured nothing yet.
+    Events,
     /// Nothing measured anywhere: [`PrefillSpeed::DEFAULT`].
     Default,
     /// `--prefill-tokens-per-second` (and `--request-overhead-tokens`) given.
@@ -645,6 +693,36 @@ mod tests {
         assert_eq!(learner.measured(), None);
         learner.observe(counters(3.0, 0.5, 4020.0), Instant::now());
         assert!(learner.measured().is_some());
+    }
+
+    #[test]
+    fn events_time_a_replica_until_its_metrics_measure_it() {
+        let now = Instant::now();
+        let mut learner = SpeedLearner::default();
+        let confirmed = |work: f64, seconds: f64| Confirmed { work, seconds };
+        // Too little work, or too short a busy period (the hops to the replica and back
+        // are most of a few milliseconds), times nothing.
+        assert!(!learner.observe_confirmed(confirmed(1000.0, 0.5), now));
+        assert!(!learner.observe_confirmed(confirmed(8000.0, 0.002), now));
+        assert_eq!(learner.timed(now), None);
+        assert!(learner.observe_confirmed(confirmed(3700.0, 1.0), now));
+        let timed = learner.timed(now).unwrap();
+        assert!((timed.tokens_per_second - 3700.0).abs() < 1e-9, "{timed:?}");
+        // The default's fixed cost in seconds: 40 ms.
+        assert!((timed.overhead_tokens - 148.0).abs() < 1e-9, "{timed:?}");
+        // It stands for as long as a measured figure is current.
+        assert!(learner.timed(now + CURRENT_FOR / 2).is_some());
+        assert_eq!(learner.timed(now + CURRENT_FOR), None);
+        // Once the metrics are evidence enough, they rank it and the events no longer do.
+        feed(
+            &mut learner,
+            &[(1.0, 4000.0), (1.0, 1000.0), (1.0, 3000.0)],
+            0.0,
+            5000.0,
+        );
+        assert!(learner.measured().is_some());
+        assert_eq!(learner.timed(now), None);
+        assert!(!learner.observe_confirmed(confirmed(3700.0, 1.0), now));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use kvaffine_core::{BlockKey, Candidate, Load, PrefillSpeed, Reason};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
-use crate::backlog::Backlogs;
+use crate::backlog::{Backlogs, ConfirmedBy};
 use crate::bookings::{Bookings, SaltBookings};
 use crate::config::{EndpointSpec, Settings};
 use crate::history::History;
@@ -498,9 +498,10 @@ impl Daemon {
         self.speeds_stale.store(false, Ordering::Relaxed);
         *self.speeds_refreshed.lock() = Some(now);
         let endpoints = self.endpoints.read().clone();
-        // Replica -> (what it measured, whether that speed is a peer's: it has measured
-        // nothing itself yet), from its best-sampled rank.
-        let mut replicas: Vec<(Measurement, bool)> = Vec::new();
+        // Replica -> (what it measured, where that speed comes from when its metrics have
+        // measured nothing here yet: a peer's figures or its events), from its
+        // best-sampled rank.
+        let mut replicas: Vec<(Measurement, Option<SpeedSource>)> = Vec::new();
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
         let mut peer_speeds = self.peer_speeds.lock();
@@ -514,12 +515,19 @@ impl Daemon {
             } else {
                 peer_speeds.get(&endpoint.spec.endpoint).copied()
             };
-            let measurement = Measurement {
-                speed: own.or(peer),
-                samples: status.speed.samples(),
-                current: peer.is_some() || status.speed.is_current(now),
+            let timed = status.speed.timed(now);
+            let (speed, borrowed) = match (own, peer, timed) {
+                (Some(own), _, _) => (Some(own), None),
+                (None, Some(peer), _) => (Some(peer), Some(SpeedSource::Peer)),
+                (None, None, Some(timed)) => (Some(timed), Some(SpeedSource::Events)),
+                (None, None, None) => (None, None),
             };
-            let replica = (measurement, peer.is_some());
+            let measurement = Measurement {
+                speed,
+                samples: status.speed.samples(),
+                current: borrowed.is_some() || status.speed.is_current(now),
+            };
+            let replica = (measurement, borrowed);
             match places
                 .get(endpoint.spec.endpoint.as_str())
                 .and_then(|&i| replicas.get_mut(i))
@@ -538,16 +546,16 @@ impl Daemon {
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
         for endpoint in endpoints.iter() {
-            let Some((mut view, peer)) = places
+            let Some((mut view, borrowed)) = places
                 .get(endpoint.spec.endpoint.as_str())
                 .and_then(|&i| Some((*views.get(i)?, replicas.get(i)?.1)))
             else {
                 continue;
             };
-            if peer {
-                // The figures are the peer's, not its own measurement.
+            if let Some(source) = borrowed {
+                // The figures are a peer's or its events', not its metrics' measurement.
                 if view.source == SpeedSource::Measured {
-                    view.source = SpeedSource::Peer;
+                    view.source = source;
                 }
                 view.measured_tokens_per_second = None;
                 view.measured_overhead_ms = None;
@@ -990,11 +998,18 @@ impl Daemon {
     ) {
         match held {
             Held::Blocks { keys, windows } => {
-                // A booking restored from a peer carries no work.
+                // A booking restored from a peer carries no work. A last block the replica
+                // holds already is not stored again (vLLM stores a block once): its pick
+                // may never be confirmed, and times nothing.
                 if work > 0 {
-                    self.backlogs
-                        .lock()
-                        .add(slot, work, keys.last().copied(), now);
+                    let confirmed_by = match keys.last() {
+                        None => ConfirmedBy::Nothing,
+                        Some(&last) if self.index.read().holds_in_any_group(GPU, last, slot) => {
+                            ConfirmedBy::Key(last)
+                        }
+                        Some(&last) => ConfirmedBy::LastBlock(last),
+                    };
+                    self.backlogs.lock().add(slot, work, confirmed_by, now);
                 }
                 let keys: Vec<BlockKey> = keys.iter().copied().map(BlockKey).collect();
                 let windows: Vec<std::ops::Range<usize>> =
@@ -1005,7 +1020,9 @@ impl Daemon {
             }
             Held::Text { keys } => {
                 if work > 0 {
-                    self.backlogs.lock().add(slot, work, None, now);
+                    self.backlogs
+                        .lock()
+                        .add(slot, work, ConfirmedBy::Nothing, now);
                 }
                 let keys: Vec<TextKey> = keys.iter().copied().map(TextKey).collect();
                 self.history.write().record(slot, &keys);
@@ -1014,7 +1031,9 @@ impl Daemon {
                 // Queued under the salt's tag: its events' first block of the salt
                 // confirms it. A booking restored from a peer carries no work.
                 if work > 0 {
-                    self.backlogs.lock().add(slot, work, Some(*salt), now);
+                    self.backlogs
+                        .lock()
+                        .add(slot, work, ConfirmedBy::Key(*salt), now);
                 }
                 if !self
                     .salt_bookings

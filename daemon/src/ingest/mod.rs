@@ -431,11 +431,23 @@ impl Follower<'_> {
                 .chain(&report.stored_salts)
                 .copied()
                 .collect();
-            self.daemon.backlogs.lock().confirm(
-                self.endpoint.slot,
-                &done,
-                std::time::Instant::now(),
-            );
+            let now = std::time::Instant::now();
+            let confirmed = self
+                .daemon
+                .backlogs
+                .lock()
+                .confirm(self.endpoint.slot, &done, now);
+            if let Some(confirmed) = confirmed {
+                let changed = self
+                    .endpoint
+                    .status
+                    .lock()
+                    .speed
+                    .observe_confirmed(confirmed, now);
+                if changed {
+                    self.daemon.speeds_changed(now);
+                }
+            }
         }
         self.record(&batch, &report, before);
         // Bookings stay: they hold kvaffine's own keys of what the filter sent, true in

@@ -1258,6 +1258,110 @@ fn a_replica_measured_slow_is_measured_afresh_once_its_figures_are_old() {
     assert!(served.iter().any(|(_, by)| *by == slow), "{served:?}");
 }
 
+/// Before a replica's metrics have measured anything, kvaffined times it by its KV events:
+/// the work of the picks whose last block it stored, over the time it was busy with them.
+/// A fleet starting cold is ranked by speed from its first prefills on, not as equals
+/// until requests have finished.
+#[test]
+fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
+    // One replica three times as slow as the other (the emulator's model prefills
+    // 1 / 0.1955 ms = 5,115 uncached tokens/s after a 40 ms fixed cost, both scaled by
+    // --time-scale). kvaffined scrapes each replica once when it starts following it and
+    // then once a week: its metrics teach it nothing here.
+    let scales = [0.5, 1.5];
+    let config = StackConfig {
+        replica_args: vec!["--time-scale".into(), scales[0].to_string()],
+        per_replica_args: vec![
+            Vec::new(),
+            vec!["--time-scale".into(), scales[1].to_string()],
+        ],
+        daemon_args: vec!["--scrape-interval-ms".into(), "604800000".into()],
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).unwrap();
+    stack.wait_scraped().unwrap();
+    let (fast, slow) = (
+        stack.replicas[0].http.clone(),
+        stack.replicas[1].http.clone(),
+    );
+    let prefill = |endpoint: &str| -> Value {
+        stack
+            .endpoint(endpoint)
+            .map(|e| e["prefill"].clone())
+            .unwrap_or_default()
+    };
+    for replica in [&fast, &slow] {
+        assert_eq!(
+            prefill(replica)["source"],
+            "default",
+            "{}",
+            prefill(replica)
+        );
+    }
+    // Two new conversations at once: the second is ranked behind the first's backlog, so
+    // each replica prefills one (about 2,400 tokens: evidence enough in one busy period).
+    let prompt = |pair: usize, i: usize| -> Value {
+        let text: String = (0..2400).map(|w| format!("c{pair}x{i}w{w} ")).collect();
+        json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    };
+    let replies: Vec<Reply> = std::thread::scope(|scope| {
+        let sent: Vec<_> = (0..2)
+            .map(|i| {
+                let (stack, prompt) = (&stack, &prompt);
+                scope.spawn(move || chat(stack, &prompt(0, i)))
+            })
+            .collect();
+        sent.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let mut served: Vec<String> = Vec::new();
+    for reply in &replies {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let body: Value = serde_json::from_str(&reply.body).unwrap();
+        let tokens = body["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+        assert!(tokens > 2048, "{tokens} prompt tokens");
+        served.push(reply.header("x-served-by").unwrap_or("").to_owned());
+    }
+    served.sort();
+    let mut both = vec![fast.clone(), slow.clone()];
+    both.sort();
+    assert_eq!(served, both, "one new conversation each");
+    poll(
+        "both replicas timed by their events",
+        Duration::from_secs(10),
+        || {
+            [&fast, &slow]
+                .iter()
+                .all(|r| prefill(r)["source"] == "events")
+        },
+    )
+    .unwrap();
+    for (replica, scale) in [(&fast, scales[0]), (&slow, scales[1])] {
+        let view = prefill(replica);
+        eprintln!("{replica} at time scale {scale}: {view}");
+        let rate = view["tokens_per_second"].as_f64().unwrap_or(0.0);
+        // A lower bound (the hops to the replica and back are in the time), near the
+        // model's rate: one 2,400-token prefill and its fixed cost.
+        let model = 1e3 / 0.1955 / scale;
+        assert!(
+            rate > 0.5 * model && rate < 1.2 * model,
+            "{replica}: timed at {rate:.0} tokens/s, its model prefills {model:.0}: {view}"
+        );
+        assert_eq!(view["samples"], 0, "no scrape taught anything: {view}");
+        assert!(view["measured_tokens_per_second"].is_null(), "{view}");
+    }
+    // Idle, a new conversation goes to the faster replica, by load, every time.
+    for i in 0..3 {
+        let reply = chat(&stack, &prompt(1, i));
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-kvaffine-reason"), Some("load"));
+        assert_eq!(
+            reply.header("x-served-by"),
+            Some(fast.as_str()),
+            "request {i}"
+        );
+    }
+}
+
 /// kvaffined is told nothing of the replicas' speed: it learns each one's from the
 /// prefill histograms the replica exports, as vLLM does, and ranks with it.
 #[test]

@@ -22,14 +22,16 @@ use kvaffine_core::BlockKey;
 use crate::slots::Slot;
 
 /// Picks remembered per replica; past it the oldest is forgotten into the next one (its
-/// own confirmation is then lost, and its work drains with the next pick's).
+/// work drains with the next pick's; its confirmation still counts if it is awaited
+/// for timing, else it is lost). Timed picks awaited per replica are bounded alike.
 const MAX_QUEUED_PICKS: usize = 1024;
 
-/// How long a timed pick (see [`ConfirmedBy::LastBlock`]) that the speed has drained is
-/// still awaited: a replica measured slower than it is drains its queue late, one measured
-/// faster early, and only the events say when a pick was really prefilled. One that never
-/// comes (its request failed before prefill, or its events were lost) stops counting
-/// after this.
+/// How long after it was queued a timed pick (see [`ConfirmedBy::LastBlock`]) is awaited
+/// once the speed has drained it: a replica measured slower than it is drains its queue
+/// late, one measured faster early, and only the events say when a pick was really
+/// prefilled. One whose event never comes (its request failed before prefill, or its
+/// events were lost) stops counting then, and the busy period starts again from the next
+/// awaited pick.
 const TIMED_FOR: Duration = Duration::from_secs(30);
 
 /// What confirms a pick: the replica's events storing one of its keys.
@@ -141,16 +143,21 @@ impl Timing {
     }
 
     /// Stops awaiting picks queued [`TIMED_FOR`] before `now` that the queue no longer
-    /// holds (numbered below `queued_from`); each goes to `gone`.
+    /// holds (numbered below `queued_from`); each goes to `gone`. A busy period that lost
+    /// one starts again from the oldest pick still awaited: the time since the lost one
+    /// was queued may hold idle time, and would make the replica look slower than it is.
     fn expire(&mut self, now: Instant, queued_from: u64, gone: &mut impl FnMut(&Awaited)) {
+        let mut expired = false;
         while let Some(oldest) = self.awaited.front().filter(|pick| {
             pick.number < queued_from && now.saturating_duration_since(pick.queued_at) >= TIMED_FOR
         }) {
             gone(oldest);
             self.awaited.pop_front();
+            expired = true;
         }
-        if self.awaited.is_empty() {
-            self.busy_since = None;
+        if expired {
+            self.busy_since = self.awaited.front().map(|pick| pick.queued_at);
+            self.done = 0.0;
         }
     }
 }
@@ -303,7 +310,8 @@ pub struct Backlogs {
     tokens_per_second: Vec<f64>,
     /// The speed of a slot not yet told its own.
     unmeasured: f64,
-    /// Last key -> the queued picks ending in it, as (slot, pick number).
+    /// Confirming key -> the picks it confirms, as (slot, pick number): those queued, and
+    /// timed ones drained but still awaited.
     by_last_key: HashMap<u64, Vec<(Slot, u64)>, RandomState>,
 }
 
@@ -374,6 +382,19 @@ impl Backlogs {
     pub fn add(&mut self, slot: Slot, work: u64, confirmed_by: ConfirmedBy, now: Instant) {
         self.grow(slot);
         self.settle(slot, now);
+        // Two picks awaiting the same block there are both confirmed when it is stored,
+        // which times one prefill: the second is not timed.
+        let confirmed_by = match confirmed_by {
+            ConfirmedBy::LastBlock(key)
+                if self
+                    .by_last_key
+                    .get(&key)
+                    .is_some_and(|picks| picks.iter().any(|&(s, _)| s == slot)) =>
+            {
+                ConfirmedBy::Key(key)
+            }
+            other => other,
+        };
         let by_last_key = &mut self.by_last_key;
         let Some(queue) = self.queues.get_mut(slot.index()) else {
             return;
@@ -475,7 +496,8 @@ impl Backlogs {
         }
     }
 
-    /// Picks indexed by last key, in all queues: as many as the queues hold with a key.
+    /// Picks indexed by confirming key: those the queues hold with a key, and the timed
+    /// ones awaited beyond them.
     #[cfg(test)]
     fn indexed(&self) -> usize {
         self.by_last_key.values().map(Vec::len).sum()
@@ -689,14 +711,46 @@ mod tests {
         slow.add(a, 1, ConfirmedBy::Nothing, now + TIMED_FOR * 2);
         let late = slow.confirm(a, &[7], now + TIMED_FOR * 2);
         assert_eq!(late.map(|c| c.work), Some(1000.0));
+        // Lost with later picks awaited behind it: the busy period starts again from the
+        // oldest of them, not from the lost one (the replica may have idled since).
+        let mut lossy = Backlogs::new(1000.0);
+        lossy.add(a, 100, ConfirmedBy::LastBlock(1), now);
+        let behind = now + Duration::from_secs(20);
+        lossy.add(a, 100, ConfirmedBy::LastBlock(2), behind);
+        lossy.settle(a, expired);
+        assert_eq!(lossy.indexed(), 1);
+        let confirmed = lossy.confirm(a, &[2], expired + Duration::from_millis(400));
+        assert_eq!(confirmed.map(|c| c.work), Some(100.0));
+        let seconds = (expired - behind).as_secs_f64() + 0.4;
+        assert!(
+            confirmed.is_some_and(|c| (c.seconds - seconds).abs() < 1e-6),
+            "{confirmed:?}"
+        );
+    }
+
+    #[test]
+    fn two_picks_awaiting_one_block_time_one_prefill() {
+        let a = slot(0);
+        let now = Instant::now();
+        let mut backlogs = Backlogs::new(1000.0);
+        backlogs.add(a, 2000, ConfirmedBy::LastBlock(5), now);
+        backlogs.add(a, 300, ConfirmedBy::LastBlock(5), now);
+        let confirmed = backlogs.confirm(a, &[5], now + Duration::from_secs(1));
+        assert_eq!(confirmed.map(|c| c.work), Some(2000.0));
+        assert_eq!(backlogs.indexed(), 0);
+        assert_eq!(
+            backlogs.pending_tokens(now + Duration::from_secs(1), &[]),
+            [0]
+        );
     }
 
     #[test]
     fn timed_picks_are_awaited_within_the_bound() {
         let a = slot(0);
         let now = Instant::now();
-        let mut backlogs = Backlogs::new(1e9);
         let picks = MAX_QUEUED_PICKS as u64 + 10;
+        // Queued at once, both bounds overflow together.
+        let mut backlogs = Backlogs::new(1e9);
         for key in 0..picks {
             backlogs.add(a, 1, ConfirmedBy::LastBlock(key), now);
         }
@@ -704,5 +758,20 @@ mod tests {
         assert_eq!(backlogs.confirm(a, &[0], now), None);
         backlogs.forget_slot(a);
         assert_eq!(backlogs.indexed(), 0);
+        // Each drained before the next is queued: only the awaited bound holds them.
+        let mut drained = Backlogs::new(1000.0);
+        for key in 0..picks {
+            drained.add(
+                a,
+                1,
+                ConfirmedBy::LastBlock(key),
+                now + Duration::from_millis(key),
+            );
+        }
+        assert_eq!(drained.indexed(), MAX_QUEUED_PICKS);
+        let last = now + Duration::from_millis(picks);
+        assert_eq!(drained.confirm(a, &[9], last), None);
+        let confirmed = drained.confirm(a, &[10], last);
+        assert_eq!(confirmed.map(|c| c.work), Some(1.0));
     }
 }

@@ -361,7 +361,8 @@ pub struct Measurement {
     /// Scrapes that saw its requests finish.
     pub samples: u64,
     /// Whether the figures are [current](SpeedLearner::is_current) (a peer's count as
-    /// current until this daemon measures the replica itself).
+    /// current until this daemon measures the replica itself, its events' while
+    /// [`SpeedLearner::timed`] gives them).
     pub current: bool,
 }
 

@@ -468,7 +468,8 @@ impl Daemon {
         self.peers.get().is_some_and(|p| !p.list.is_empty())
     }
 
-    /// A replica's measured speed may have changed (a scraper just read its metrics): the
+    /// A replica's measured speed may have changed (a scraper just read its metrics, or its
+    /// events confirmed a timed pick before its metrics measured it): the
     /// speeds are refreshed now, or by [`refresh_stale_speeds`](Self::refresh_stale_speeds)
     /// within [`SPEED_REFRESH_GAP`] if they were refreshed less than that ago. A refresh
     /// reads every replica, so a thousand scrapers refreshing after each of their scrapes
@@ -532,7 +533,16 @@ impl Daemon {
                 .get(endpoint.spec.endpoint.as_str())
                 .and_then(|&i| replicas.get_mut(i))
             {
-                Some(known) if replica.0.samples > known.0.samples => *known = replica,
+                // A rank timed by its events stands for the replica when no rank's metrics
+                // measured it.
+                Some(known)
+                    if replica.0.samples > known.0.samples
+                        || (replica.0.samples == known.0.samples
+                            && known.0.speed.is_none()
+                            && replica.0.speed.is_some()) =>
+                {
+                    *known = replica
+                }
                 Some(_) => {}
                 None => {
                     places.insert(&endpoint.spec.endpoint, replicas.len());

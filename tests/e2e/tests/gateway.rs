@@ -1298,8 +1298,9 @@ fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
             prefill(replica)
         );
     }
-    // Two new conversations at once: the second is ranked behind the first's backlog, so
-    // each replica prefills one (about 2,400 tokens: evidence enough in one busy period).
+    // Two new conversations at once, one to each replica (the second ranked behind the
+    // first's booking, or, ranked before it was booked, at the next turn of requests
+    // nothing tells apart): about 2,400 tokens each, evidence enough in one busy period.
     let prompt = |pair: usize, i: usize| -> Value {
         let text: String = (0..2400).map(|w| format!("c{pair}x{i}w{w} ")).collect();
         json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1})
@@ -1340,10 +1341,11 @@ fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
         eprintln!("{replica} at time scale {scale}: {view}");
         let rate = view["tokens_per_second"].as_f64().unwrap_or(0.0);
         // A lower bound (the hops to the replica and back are in the time), near the
-        // model's rate: one 2,400-token prefill and its fixed cost.
+        // model's rate: one 2,400-token prefill and its fixed cost (0.26 s on the fast
+        // replica; the bound leaves room for 0.4 s of hops on a loaded host).
         let model = 1e3 / 0.1955 / scale;
         assert!(
-            rate > 0.5 * model && rate < 1.2 * model,
+            rate > 0.4 * model && rate < 1.2 * model,
             "{replica}: timed at {rate:.0} tokens/s, its model prefills {model:.0}: {view}"
         );
         assert_eq!(view["samples"], 0, "no scrape taught anything: {view}");

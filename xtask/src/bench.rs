@@ -73,6 +73,9 @@ pub fn core() -> anyhow::Result<()> {
     let native = TOKENS / median_ns("keys/native")? * 1e3;
     let wasm = TOKENS / median_ns("keys/wasm")? * 1e3;
     let decode = ENTRIES / median_ns("decode/block_entries")? * 1e3;
+    let scan_native = TOKENS / median_ns("scan/native")? * 1e3;
+    let scan_wasm = TOKENS / median_ns("scan/wasm")? * 1e3;
+    let scan_serde = TOKENS / median_ns("scan/native_serde")? * 1e3;
     let native_hash_share = median_ns("keys/native_sha256_only")? / median_ns("keys/native")?;
     let wasm_hash_share = median_ns("keys/wasm_sha256_only")? / median_ns("keys/wasm")?;
     let mut md = String::new();
@@ -94,6 +97,18 @@ pub fn core() -> anyhow::Result<()> {
     )?;
     writeln!(
         md,
+        "| token list read from an 8,192-token `/tokenize` answer, native | {scan_native:.1} M tokens/s | |"
+    )?;
+    writeln!(
+        md,
+        "| the same, wasm32-wasip1 under wasmtime (Cranelift) | {scan_wasm:.1} M tokens/s | |"
+    )?;
+    writeln!(
+        md,
+        "| the same answer read by serde into a typed list, native (what the scan replaces) | {scan_serde:.1} M tokens/s | |"
+    )?;
+    writeln!(
+        md,
         "| KV-event decode (map layout, 32 BlockStored x 4 blocks, 64 tokens each) | {decode:.2} M block entries/s | >= 2 M block entries/s |"
     )?;
     writeln!(
@@ -108,6 +123,14 @@ pub fn core() -> anyhow::Result<()> {
         "SHA-256 alone over same-sized preimages takes {:.0}% of the keying time natively and {:.0}% in wasm (`keys/*_sha256_only`).\n",
         native_hash_share * 100.0,
         wasm_hash_share * 100.0
+    )?;
+    writeln!(
+        md,
+        "Reading the token list of that prompt's `/tokenize` answer costs {:.0} us native, {:.0} us in wasm (wasm / native {:.2}); serde reading it natively, {:.0} us.\n",
+        median_ns("scan/native")? / 1e3,
+        median_ns("scan/wasm")? / 1e3,
+        scan_wasm / scan_native,
+        median_ns("scan/native_serde")? / 1e3
     )?;
     md.push_str(include_str!("bench_core_notes.md"));
     let out = sh::root().join("docs/benchmarks/core.md");

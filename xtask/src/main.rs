@@ -30,7 +30,7 @@ commands:
   docs          regenerate the reference pages, build the book into target/book
   npm           vLLM's block keys for JavaScript -> target/npm/kvaffine-keys-<version>.tgz
                 (and the console's copy of its browser build, daemon/ui/keys/)
-  bench core    key and event-decode throughput -> docs/benchmarks/core.md
+  bench core    key, token-scan and event-decode throughput -> docs/benchmarks/core.md
   bench daemon  index lookups, HTTP lookups, ingest, memory -> docs/benchmarks/daemon.md
   bench scale   the index and lookups at 8, 64 and 1,024 endpoints beside the 64-slot index,
                 1,024 real event streams, scenarios through 1, 2 and 4 gateways with their

@@ -1,5 +1,5 @@
-//! Core throughput: block keys natively and in wasm (wasmtime, Cranelift: the same class
-//! of JIT as Envoy's V8), and KV-event decoding. Run with `cargo xtask bench core`, which
+//! Core throughput: block keys and the tokenizer answer's scan, natively and in wasm
+//! (wasmtime, Cranelift: the same class of JIT as Envoy's V8), and KV-event decoding. Run with `cargo xtask bench core`, which
 //! builds the wasm kernel, runs this, and writes `docs/benchmarks/core.md`.
 
 use std::time::{Duration, Instant};
@@ -8,18 +8,19 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvaffine_core::events::{
     BlockStored, EngineHash, EventBatch, EventFormat, KvEvent, decode_batch, encode_batch,
 };
-use kvaffine_wasm_kernel::{key_tokens, sha256_only, tokens};
+use kvaffine_wasm_kernel::{key_tokens, scan_answer, sha256_only, tokenize_answer, tokens};
 use wasmtime::{Engine, Instance, Linker, Module, Store, TypedFunc};
 
 /// An 8k-token prompt, the size the filter's budget is set for.
 const PROMPT_TOKENS: usize = 8192;
 const BLOCK_SIZE: u32 = 64;
 
-/// The kernel's two timed exports: full keying, and SHA-256 alone.
+/// The kernel's timed exports: full keying, SHA-256 alone, and the answer's scan.
 struct WasmKernel {
     store: Store<()>,
     keys: TypedFunc<(u32, u32), u64>,
     sha256_only: TypedFunc<(u32, u32), u64>,
+    scan: TypedFunc<(u32, u32), u64>,
 }
 
 fn wasm_kernel() -> WasmKernel {
@@ -49,10 +50,14 @@ fn wasm_kernel() -> WasmKernel {
     let sha256_only = instance
         .get_typed_func::<(u32, u32), u64>(&mut store, "kernel_sha256_only")
         .expect("sha256 export");
+    let scan = instance
+        .get_typed_func::<(u32, u32), u64>(&mut store, "kernel_scan_answer")
+        .expect("scan export");
     WasmKernel {
         store,
         keys,
         sha256_only,
+        scan,
     }
 }
 
@@ -71,6 +76,7 @@ fn keys(c: &mut Criterion) {
         mut store,
         keys: wasm_keys,
         sha256_only: wasm_sha256,
+        ..
     } = wasm_kernel();
     let native = key_tokens(&prompt, BLOCK_SIZE as usize, 1);
     let in_wasm = wasm_keys
@@ -91,6 +97,44 @@ fn keys(c: &mut Criterion) {
     });
     group.bench_function("wasm_sha256_only", |b| {
         b.iter_custom(|iters| time_wasm(&mut store, &wasm_sha256, iters))
+    });
+    group.finish();
+}
+
+/// The token list read out of an 8k-token `/tokenize` answer, as the filter reads it
+/// (natively and in wasm), beside serde reading the same answer into a typed list.
+fn scan(c: &mut Criterion) {
+    let prompt = tokens(PROMPT_TOKENS);
+    let answer = tokenize_answer(&prompt);
+    let WasmKernel {
+        mut store,
+        scan: wasm_scan,
+        ..
+    } = wasm_kernel();
+    let native = scan_answer(&answer, 1);
+    let in_wasm = wasm_scan.call(&mut store, (0, 1)).expect("wasm call");
+    assert_eq!(native, in_wasm, "native and wasm scans differ");
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        tokens: Vec<u32>,
+    }
+    let by_serde = serde_json::from_slice::<Answer>(&answer).expect("serde reads the answer");
+    assert_eq!(by_serde.tokens, prompt, "serde reads other tokens");
+
+    let mut group = c.benchmark_group("scan");
+    group.throughput(Throughput::Elements(PROMPT_TOKENS as u64));
+    group.bench_function("native", |b| {
+        b.iter(|| scan_answer(std::hint::black_box(&answer), 1))
+    });
+    group.bench_function("wasm", |b| {
+        b.iter_custom(|iters| time_wasm(&mut store, &wasm_scan, iters))
+    });
+    group.bench_function("native_serde", |b| {
+        b.iter(|| {
+            serde_json::from_slice::<Answer>(std::hint::black_box(&answer))
+                .map(|a| a.tokens.len())
+                .unwrap_or(0)
+        })
     });
     group.finish();
 }
@@ -146,6 +190,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(4));
-    targets = keys, decode
+    targets = keys, scan, decode
 }
 criterion_main!(benches);

@@ -1,8 +1,9 @@
 //! The benchmark kernel: one workload, compiled natively and to `wasm32-wasip1`, so the
 //! two figures in `docs/benchmarks/core.md` time identical work.
 //!
-//! The module keeps its own token buffer (filled by a fixed generator), so the host only
-//! calls exported functions with integers and never touches guest memory.
+//! The module keeps its own token buffer (filled by a fixed generator) and the tokenizer
+//! answer that lists it, so the host only calls exported functions with integers and never
+//! touches guest memory.
 // `no_mangle` exports are the module's whole interface; nothing else here is unsafe.
 #![allow(unsafe_code)]
 
@@ -16,6 +17,7 @@ const VOCAB: u32 = 151_936;
 
 thread_local! {
     static TOKENS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static ANSWER: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `count` pseudo-random token ids from a fixed xorshift sequence.
@@ -73,10 +75,36 @@ pub fn sha256_only(tokens: &[u32], block_size: usize, reps: u32) -> u64 {
     checksum
 }
 
-/// Fills the module's token buffer with `count` tokens.
+/// vLLM's `/tokenize` answer for `tokens`, written as its server writes JSON (no spaces).
+pub fn tokenize_answer(tokens: &[u32]) -> Vec<u8> {
+    let list: Vec<String> = tokens.iter().map(u32::to_string).collect();
+    format!(
+        r#"{{"count":{},"max_model_len":131072,"tokens":[{}],"token_strs":null}}"#,
+        tokens.len(),
+        list.join(",")
+    )
+    .into_bytes()
+}
+
+/// Reads the token list out of `answer`, as the filter reads a tokenizer's answer, `reps`
+/// times; returns a checksum of what was read.
+pub fn scan_answer(answer: &[u8], reps: u32) -> u64 {
+    let mut checksum = 0u64;
+    for _ in 0..reps {
+        let tokens = kvaffine_core::tokens::token_list(answer).unwrap_or_default();
+        checksum ^= tokens
+            .iter()
+            .fold(tokens.len() as u64, |acc, &t| acc ^ u64::from(t));
+    }
+    checksum
+}
+
+/// Fills the module's token buffer with `count` tokens, and its answer with their list.
 #[unsafe(no_mangle)]
 pub extern "C" fn kernel_fill_tokens(count: u32) {
-    TOKENS.with(|t| *t.borrow_mut() = tokens(count as usize));
+    let filled = tokens(count as usize);
+    ANSWER.with(|a| *a.borrow_mut() = tokenize_answer(&filled));
+    TOKENS.with(|t| *t.borrow_mut() = filled);
 }
 
 /// [`key_tokens`] over the module's token buffer.
@@ -89,4 +117,10 @@ pub extern "C" fn kernel_key_tokens(block_size: u32, reps: u32) -> u64 {
 #[unsafe(no_mangle)]
 pub extern "C" fn kernel_sha256_only(block_size: u32, reps: u32) -> u64 {
     TOKENS.with(|t| sha256_only(&t.borrow(), block_size as usize, reps))
+}
+
+/// [`scan_answer`] over the module's answer (`_unused` keeps the timed exports' shape).
+#[unsafe(no_mangle)]
+pub extern "C" fn kernel_scan_answer(_unused: u32, reps: u32) -> u64 {
+    ANSWER.with(|a| scan_answer(&a.borrow(), reps))
 }

@@ -33,7 +33,8 @@ pub enum TokenizeError {
 ///
 /// Hot path: natively (release, 200 runs, three repeats) a 7,000-token answer took 109-121
 /// us through `serde_json::Value`, 66-67 us through a typed `Vec<u32>`, and 28 us with this
-/// one-pass scan; the filter runs it under V8, several times slower. Anything the scan does
+/// one-pass scan. In wasm it keeps most of that speed (`cargo xtask bench core` times it
+/// native and under wasmtime side by side: docs/benchmarks/core.md). Anything the scan does
 /// not recognise falls back to the typed serde parse.
 pub fn token_list(answer: &[u8]) -> Option<Vec<u32>> {
     scan_token_list(answer).or_else(|| {

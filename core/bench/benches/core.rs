@@ -1,5 +1,6 @@
 //! Core throughput: block keys and the tokenizer answer's scan, natively and in wasm
-//! (wasmtime, Cranelift: the same class of JIT as Envoy's V8), and KV-event decoding. Run with `cargo xtask bench core`, which
+//! (wasmtime, Cranelift: the same class of JIT as Envoy's V8), and KV-event
+//! decoding. Run with `cargo xtask bench core`, which
 //! builds the wasm kernel, runs this, and writes `docs/benchmarks/core.md`.
 
 use std::time::{Duration, Instant};
@@ -8,7 +9,9 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvaffine_core::events::{
     BlockStored, EngineHash, EventBatch, EventFormat, KvEvent, decode_batch, encode_batch,
 };
-use kvaffine_wasm_kernel::{key_tokens, scan_answer, sha256_only, tokenize_answer, tokens};
+use kvaffine_wasm_kernel::{
+    checksum, key_tokens, scan_answer, sha256_only, tokenize_answer, tokens,
+};
 use wasmtime::{Engine, Instance, Linker, Module, Store, TypedFunc};
 
 /// An 8k-token prompt, the size the filter's budget is set for.
@@ -20,7 +23,14 @@ struct WasmKernel {
     store: Store<()>,
     keys: TypedFunc<(u32, u32), u64>,
     sha256_only: TypedFunc<(u32, u32), u64>,
-    scan: TypedFunc<(u32, u32), u64>,
+    scan: TypedFunc<u32, u64>,
+}
+
+/// A `/tokenize` answer as serde reads it into a typed list: the parse the scan stands in
+/// for.
+#[derive(serde::Deserialize)]
+struct Answer {
+    tokens: Vec<u32>,
 }
 
 fn wasm_kernel() -> WasmKernel {
@@ -51,7 +61,7 @@ fn wasm_kernel() -> WasmKernel {
         .get_typed_func::<(u32, u32), u64>(&mut store, "kernel_sha256_only")
         .expect("sha256 export");
     let scan = instance
-        .get_typed_func::<(u32, u32), u64>(&mut store, "kernel_scan_answer")
+        .get_typed_func::<u32, u64>(&mut store, "kernel_scan_answer")
         .expect("scan export");
     WasmKernel {
         store,
@@ -61,12 +71,10 @@ fn wasm_kernel() -> WasmKernel {
     }
 }
 
-fn time_wasm(store: &mut Store<()>, func: &TypedFunc<(u32, u32), u64>, iters: u64) -> Duration {
+/// Times one call of a kernel export that repeats its work `iters` times.
+fn time_wasm(iters: u64, call: impl FnOnce(u32) -> u64) -> Duration {
     let start = Instant::now();
-    let sum = func
-        .call(store, (BLOCK_SIZE, iters as u32))
-        .expect("wasm call");
-    std::hint::black_box(sum);
+    std::hint::black_box(call(iters as u32));
     start.elapsed()
 }
 
@@ -90,13 +98,25 @@ fn keys(c: &mut Criterion) {
         b.iter(|| key_tokens(std::hint::black_box(&prompt), BLOCK_SIZE as usize, 1))
     });
     group.bench_function("wasm", |b| {
-        b.iter_custom(|iters| time_wasm(&mut store, &wasm_keys, iters))
+        b.iter_custom(|iters| {
+            time_wasm(iters, |reps| {
+                wasm_keys
+                    .call(&mut store, (BLOCK_SIZE, reps))
+                    .expect("wasm call")
+            })
+        })
     });
     group.bench_function("native_sha256_only", |b| {
         b.iter(|| sha256_only(std::hint::black_box(&prompt), BLOCK_SIZE as usize, 1))
     });
     group.bench_function("wasm_sha256_only", |b| {
-        b.iter_custom(|iters| time_wasm(&mut store, &wasm_sha256, iters))
+        b.iter_custom(|iters| {
+            time_wasm(iters, |reps| {
+                wasm_sha256
+                    .call(&mut store, (BLOCK_SIZE, reps))
+                    .expect("wasm call")
+            })
+        })
     });
     group.finish();
 }
@@ -111,15 +131,16 @@ fn scan(c: &mut Criterion) {
         scan: wasm_scan,
         ..
     } = wasm_kernel();
-    let native = scan_answer(&answer, 1);
-    let in_wasm = wasm_scan.call(&mut store, (0, 1)).expect("wasm call");
-    assert_eq!(native, in_wasm, "native and wasm scans differ");
-    #[derive(serde::Deserialize)]
-    struct Answer {
-        tokens: Vec<u32>,
-    }
+    assert_eq!(
+        kvaffine_core::tokens::token_list(&answer).as_deref(),
+        Some(prompt.as_slice()),
+        "the scan reads other tokens"
+    );
     let by_serde = serde_json::from_slice::<Answer>(&answer).expect("serde reads the answer");
     assert_eq!(by_serde.tokens, prompt, "serde reads other tokens");
+    let native = scan_answer(&answer, 1);
+    let in_wasm = wasm_scan.call(&mut store, 1).expect("wasm call");
+    assert_eq!(native, in_wasm, "native and wasm scans differ");
 
     let mut group = c.benchmark_group("scan");
     group.throughput(Throughput::Elements(PROMPT_TOKENS as u64));
@@ -127,12 +148,16 @@ fn scan(c: &mut Criterion) {
         b.iter(|| scan_answer(std::hint::black_box(&answer), 1))
     });
     group.bench_function("wasm", |b| {
-        b.iter_custom(|iters| time_wasm(&mut store, &wasm_scan, iters))
+        b.iter_custom(|iters| {
+            time_wasm(iters, |reps| {
+                wasm_scan.call(&mut store, reps).expect("wasm call")
+            })
+        })
     });
     group.bench_function("native_serde", |b| {
         b.iter(|| {
             serde_json::from_slice::<Answer>(std::hint::black_box(&answer))
-                .map(|a| a.tokens.len())
+                .map(|a| checksum(&a.tokens))
                 .unwrap_or(0)
         })
     });

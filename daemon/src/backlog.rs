@@ -3,7 +3,9 @@
 //! another) and at once for a pick when the replica's events store its last block. The
 //! same confirmations time the replica: while a pick waits for its last block the replica
 //! is busy, so the work confirmed over a busy period is what it prefilled in that time,
-//! known before any of its requests finishes (see [`Confirmed`]).
+//! known before any of its requests finishes (see [`Confirmed`]); and a pick still
+//! awaited is work it has not finished, so its speed is capped before its first prefill
+//! ends (see [`Overdue`]).
 //!
 //! Every lookup reads every replica's backlog, so reading one costs a few operations per
 //! replica and per key of the request, never a walk of the queued picks: each queue keeps
@@ -65,6 +67,19 @@ pub struct Confirmed {
     /// Work confirmed in the busy period so far.
     pub work: f64,
     /// Seconds since the busy period began.
+    pub seconds: f64,
+}
+
+/// Prefill a replica has not finished: `work` uncached-token equivalents (what its busy
+/// period confirmed, and its oldest awaited pick's own) not done in the `seconds` since
+/// the period began. The replica works first in first out, so an upper bound on its speed
+/// while that pick is awaited, falling as the wait goes on: a slow replica is known to be
+/// slow before its first prefill ends (see [`Backlogs::overdue`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Overdue {
+    /// Work the replica has not finished.
+    pub work: f64,
+    /// Seconds since its busy period began.
     pub seconds: f64,
 }
 
@@ -140,6 +155,16 @@ impl Timing {
             self.busy_since = None;
         }
         confirmed
+    }
+
+    /// What the replica has not finished by `now`, while a timed pick is awaited.
+    fn overdue(&self, now: Instant) -> Option<Overdue> {
+        let since = self.busy_since?;
+        let oldest = self.awaited.front()?;
+        Some(Overdue {
+            work: self.done + oldest.work,
+            seconds: now.saturating_duration_since(since).as_secs_f64(),
+        })
     }
 
     /// Stops awaiting picks queued [`TIMED_FOR`] before `now` that the queue no longer
@@ -440,6 +465,14 @@ impl Backlogs {
         queue.timing.confirm(&done, now)
     }
 
+    /// What `slot`'s replica has not finished by `now`, while one of its timed picks is
+    /// awaited. The bound ignores what the replica may have started of later picks in the
+    /// same steps (vLLM fills a step's token budget with the next waiting prompts), so it
+    /// can be low by up to one step's budget over the time.
+    pub fn overdue(&self, slot: Slot, now: Instant) -> Option<Overdue> {
+        self.queues.get(slot.index())?.timing.overdue(now)
+    }
+
     /// Prefill still queued per slot (by slot number) at `now`, in uncached-token equivalents, for a
     /// request of block keys `own`. Picks whose last block is one of `own` are left out:
     /// they prefill a prefix of this request, work it needs wherever it goes (queued
@@ -684,6 +717,40 @@ mod tests {
         backlogs.add(a, 600, ConfirmedBy::Key(4), at(6000));
         assert_eq!(backlogs.confirm(a, &[4], at(6100)), None);
         assert_eq!(backlogs.confirm(a, &[3], at(6100)), None);
+    }
+
+    #[test]
+    fn an_awaited_pick_tells_what_the_replica_has_not_finished() {
+        let a = slot(0);
+        let now = Instant::now();
+        let at = |ms: u64| now + Duration::from_millis(ms);
+        let mut backlogs = Backlogs::new(10_000.0);
+        assert_eq!(backlogs.overdue(a, now), None);
+        // Nothing awaited: a pick confirmed by a key that may come early times nothing.
+        backlogs.add(a, 3000, ConfirmedBy::Key(9), now);
+        assert_eq!(backlogs.overdue(a, at(500)), None);
+        backlogs.add(a, 3000, ConfirmedBy::LastBlock(1), at(100));
+        backlogs.add(a, 1000, ConfirmedBy::LastBlock(2), at(200));
+        // Its oldest awaited pick not done a second after the period began.
+        let overdue = |at| backlogs.overdue(a, at);
+        assert_eq!(
+            overdue(at(1100)),
+            Some(Overdue {
+                work: 3000.0,
+                seconds: 1.0
+            })
+        );
+        // Once it is confirmed, the next one: the first's work is done, the second's not.
+        backlogs.confirm(a, &[1], at(1500));
+        assert_eq!(
+            backlogs.overdue(a, at(2100)),
+            Some(Overdue {
+                work: 4000.0,
+                seconds: 2.0
+            })
+        );
+        backlogs.confirm(a, &[2], at(2200));
+        assert_eq!(backlogs.overdue(a, at(2300)), None);
     }
 
     #[test]

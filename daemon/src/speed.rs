@@ -17,14 +17,17 @@
 //! ([`Confirmed`]): a replica is then ranked by its speed after its first prefill, where
 //! its metrics need two finished requests and the scrape that reads them (on a real vLLM
 //! pair, one replica 1.9x slower than the other, 32 conversations that arrived within 2 s
-//! were all placed before either was measured).
+//! were all placed before either was measured). And while a pick is awaited the replica
+//! has not finished it, which caps its speed before its first prefill ends
+//! ([`capped_by_overdue`]): that pair's slow replica then got 12 of 32 such conversations
+//! in two runs of three, against 15-16 without the cap.
 
 use std::time::{Duration, Instant};
 
 use kvaffine_core::PrefillSpeed;
 use serde::Serialize;
 
-use crate::backlog::Confirmed;
+use crate::backlog::{Confirmed, Overdue};
 
 /// Each new sample multiplies the weight of the older ones by this: about the last 20
 /// scrapes that saw requests finish count (10 s of steady traffic at the default scrape
@@ -387,6 +390,24 @@ pub enum SpeedSource {
     Flags,
 }
 
+/// The speed to rank a replica at, `tokens_per_second` by what it measured or was
+/// assumed, while its events say it has not finished `overdue`: no faster than that work
+/// over that time, once both are evidence enough (as for a busy period its events timed).
+/// A bound more than [`MAX_SAMPLE_SURPRISE`] times below the figure is not taken: a pick
+/// awaited that long is more likely lost (its request failed before its prefill) than
+/// prefilling, and the figure stands until the pick is forgotten.
+pub fn capped_by_overdue(tokens_per_second: f64, overdue: Overdue) -> f64 {
+    let Overdue { work, seconds } = overdue;
+    if !(work >= MIN_COMPUTED_TOKENS && seconds >= MIN_TIMED_SECONDS) {
+        return tokens_per_second;
+    }
+    let bound = work / seconds;
+    if bound * MAX_SAMPLE_SURPRISE < tokens_per_second {
+        return tokens_per_second;
+    }
+    bound.min(tokens_per_second)
+}
+
 /// A replica's speed as the ranking uses it, as `/v1/endpoints` shows it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct SpeedView {
@@ -694,6 +715,21 @@ mod tests {
         assert_eq!(learner.measured(), None);
         learner.observe(counters(3.0, 0.5, 4020.0), Instant::now());
         assert!(learner.measured().is_some());
+    }
+
+    #[test]
+    fn an_overdue_pick_caps_the_speed_within_reason() {
+        let overdue = |work: f64, seconds: f64| Overdue { work, seconds };
+        // 3,000 tokens not done in a second: no faster than 3,000 tokens/s.
+        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 1.0)), 3000.0);
+        // A bound above the figure changes nothing.
+        assert_eq!(capped_by_overdue(2000.0, overdue(3000.0, 1.0)), 2000.0);
+        // Too little work or time is no evidence (the hops are most of it).
+        assert_eq!(capped_by_overdue(5000.0, overdue(1000.0, 1.0)), 5000.0);
+        assert_eq!(capped_by_overdue(50_000.0, overdue(2048.0, 0.04)), 50_000.0);
+        // More than eight times below the figure: more likely a lost pick than that slow.
+        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 4.0)), 750.0);
+        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 5.0)), 5000.0);
     }
 
     #[test]

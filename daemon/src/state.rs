@@ -500,9 +500,9 @@ impl Daemon {
         *self.speeds_refreshed.lock() = Some(now);
         let endpoints = self.endpoints.read().clone();
         // Replica -> (what it measured, where that speed comes from when its metrics have
-        // measured nothing here yet: a peer's figures or its events), from its
-        // best-sampled rank.
-        let mut replicas: Vec<(Measurement, Option<SpeedSource>)> = Vec::new();
+        // measured nothing here yet: a peer's figures or its events, and whether its
+        // metrics have), from its best-sampled rank.
+        let mut replicas: Vec<(Measurement, Option<SpeedSource>, bool)> = Vec::new();
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
         let mut peer_speeds = self.peer_speeds.lock();
@@ -528,7 +528,7 @@ impl Daemon {
                 samples: status.speed.samples(),
                 current: borrowed.is_some() || status.speed.is_current(now),
             };
-            let replica = (measurement, borrowed);
+            let replica = (measurement, borrowed, own.is_some());
             match places
                 .get(endpoint.spec.endpoint.as_str())
                 .and_then(|&i| replicas.get_mut(i))
@@ -551,14 +551,18 @@ impl Daemon {
             }
         }
         drop(peer_speeds);
-        let measured: Vec<Measurement> = replicas.iter().map(|&(m, _)| m).collect();
+        let measured: Vec<Measurement> = replicas.iter().map(|&(m, _, _)| m).collect();
         let views = crate::speed::speeds(&measured, self.settings.speed_flags);
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
+        // Whether a replica's speed may be capped by a pick overdue there.
+        let mut awaiting = false;
         for endpoint in endpoints.iter() {
-            let Some((mut view, borrowed)) = places
-                .get(endpoint.spec.endpoint.as_str())
-                .and_then(|&i| Some((*views.get(i)?, replicas.get(i)?.1)))
+            let Some((mut view, borrowed, own_measured)) =
+                places.get(endpoint.spec.endpoint.as_str()).and_then(|&i| {
+                    let &(_, borrowed, own_measured) = replicas.get(i)?;
+                    Some((*views.get(i)?, borrowed, own_measured))
+                })
             else {
                 continue;
             };
@@ -569,6 +573,19 @@ impl Daemon {
                 }
                 view.measured_tokens_per_second = None;
                 view.measured_overhead_ms = None;
+            }
+            // Neither its metrics nor a peer measured it, nor does a flag fix its speed:
+            // while a pick it was sent is overdue, it is no faster than its events allow,
+            // and the bound falls with every refresh until the pick is confirmed.
+            if !own_measured
+                && borrowed != Some(SpeedSource::Peer)
+                && self.settings.speed_flags.tokens_per_second.is_none()
+            {
+                if let Some(overdue) = backlogs.overdue(endpoint.slot, now) {
+                    view.tokens_per_second =
+                        crate::speed::capped_by_overdue(view.tokens_per_second, overdue);
+                    awaiting = true;
+                }
             }
             if let Some(entry) = table.get_mut(endpoint.slot.index()) {
                 *entry = view;
@@ -585,6 +602,11 @@ impl Daemon {
                 .prefill_overhead_seconds
                 .get_or_create(&label)
                 .set(view.overhead_ms / 1e3);
+        }
+        if awaiting {
+            // The cap falls as the wait goes on, with no scrape or event to say so: the
+            // next tick refreshes again.
+            self.speeds_stale.store(true, Ordering::Relaxed);
         }
     }
 
@@ -1017,7 +1039,20 @@ impl Daemon {
                         Some(&last) if self.index.read().holds_in_any_group(GPU, last, slot) => {
                             ConfirmedBy::Key(last)
                         }
-                        Some(&last) => ConfirmedBy::LastBlock(last),
+                        Some(&last) => {
+                            // Awaited from now: the speed of a replica its metrics have not
+                            // measured is capped while the pick is overdue, from the next
+                            // refresh on.
+                            let unmeasured = self
+                                .speeds
+                                .read()
+                                .get(slot.index())
+                                .is_some_and(|view| view.measured_tokens_per_second.is_none());
+                            if unmeasured {
+                                self.speeds_stale.store(true, Ordering::Relaxed);
+                            }
+                            ConfirmedBy::LastBlock(last)
+                        }
                     };
                     self.backlogs.lock().add(slot, work, confirmed_by, now);
                 }

@@ -1364,6 +1364,85 @@ fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
     }
 }
 
+/// A replica whose first prefill is overdue is known to be slow before it ends: new
+/// conversations that arrive meanwhile go to the replica that has shown its speed, not
+/// half to each as to replicas nothing tells apart.
+#[test]
+fn a_replica_overdue_with_its_first_prefill_gets_no_new_conversations_meanwhile() {
+    // One replica eight times as slow as the other: a 2,400-token prompt prefills in
+    // about 0.26 s on the fast one and 2.0 s on the slow one (the emulator's model, 5,115
+    // tokens/s after 40 ms, scaled by --time-scale). kvaffined scrapes once a week, so
+    // only the replicas' events tell it anything.
+    let scales = [0.5, 4.0];
+    let config = StackConfig {
+        replica_args: vec!["--time-scale".into(), scales[0].to_string()],
+        per_replica_args: vec![
+            Vec::new(),
+            vec!["--time-scale".into(), scales[1].to_string()],
+        ],
+        daemon_args: vec!["--scrape-interval-ms".into(), "604800000".into()],
+        ..StackConfig::default()
+    };
+    let stack = Stack::start(config).unwrap();
+    stack.wait_scraped().unwrap();
+    let (fast, slow) = (
+        stack.replicas[0].http.clone(),
+        stack.replicas[1].http.clone(),
+    );
+    let prompt = |pair: usize, i: usize| -> Value {
+        let text: String = (0..2400).map(|w| format!("o{pair}x{i}w{w} ")).collect();
+        json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    };
+    // Each first turn's replica, as it ends.
+    let (ended_tx, ended) = std::sync::mpsc::channel::<Option<String>>();
+    std::thread::scope(|scope| {
+        // Two new conversations at once, one to each replica, as nothing tells them
+        // apart yet.
+        let pending: Vec<_> = (0..2)
+            .map(|i| {
+                let (stack, prompt, tx) = (&stack, &prompt, ended_tx.clone());
+                scope.spawn(move || {
+                    let reply = chat(stack, &prompt(0, i));
+                    let _ = tx.send(reply.header("x-served-by").map(str::to_owned));
+                    reply
+                })
+            })
+            .collect();
+        assert_eq!(
+            ended.recv().unwrap(),
+            Some(fast.clone()),
+            "the fast one ends first"
+        );
+        // While the slow replica's first prefill goes on, one new conversation after
+        // another: each goes to the fast replica.
+        for i in 0..3 {
+            let reply = chat(&stack, &prompt(1, i));
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.header("x-kvaffine-reason"), Some("load"));
+            assert_eq!(
+                reply.header("x-served-by"),
+                Some(fast.as_str()),
+                "conversation {i}: {:?}",
+                stack.endpoint(&slow).map(|e| e["prefill"].clone())
+            );
+            assert!(
+                ended.try_recv().is_err(),
+                "the slow replica's first prefill ended before conversation {i} was answered: \
+                 the test timed nothing"
+            );
+        }
+        for handle in pending {
+            let reply = handle.join().unwrap();
+            assert_eq!(reply.status, 200, "{}", reply.body);
+        }
+    });
+    assert_eq!(
+        ended.try_recv().ok().flatten(),
+        Some(slow),
+        "the other first turn"
+    );
+}
+
 /// kvaffined is told nothing of the replicas' speed: it learns each one's from the
 /// prefill histograms the replica exports, as vLLM does, and ranks with it.
 #[test]

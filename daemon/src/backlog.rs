@@ -114,6 +114,10 @@ struct Timing {
     busy_since: Option<Instant>,
     /// Work confirmed since then.
     done: f64,
+    /// Work of the period no event times: what the queue held ahead of its first pick,
+    /// and the untimed picks queued since (a salt's, a text-keyed one). The replica may
+    /// do any of it before the oldest awaited pick, so [`Overdue`] counts it all.
+    untimed: f64,
 }
 
 impl Timing {
@@ -123,11 +127,13 @@ impl Timing {
             .is_ok()
     }
 
-    /// Awaits a pick queued at `now`; returns the oldest if the bound pushed it out.
-    fn push(&mut self, pick: Awaited) -> Option<Awaited> {
+    /// Awaits a pick queued behind `ahead` tokens of work; returns the oldest if the bound
+    /// pushed it out.
+    fn push(&mut self, pick: Awaited, ahead: f64) -> Option<Awaited> {
         if self.awaited.is_empty() {
             self.busy_since = Some(pick.queued_at);
             self.done = 0.0;
+            self.untimed = ahead;
         }
         self.awaited.push_back(pick);
         if self.awaited.len() > MAX_QUEUED_PICKS {
@@ -157,12 +163,19 @@ impl Timing {
         confirmed
     }
 
+    /// An untimed pick of `work` queued: counted if a period is under way.
+    fn queue_untimed(&mut self, work: f64) {
+        if self.busy_since.is_some() {
+            self.untimed += work;
+        }
+    }
+
     /// What the replica has not finished by `now`, while a timed pick is awaited.
     fn overdue(&self, now: Instant) -> Option<Overdue> {
         let since = self.busy_since?;
         let oldest = self.awaited.front()?;
         Some(Overdue {
-            work: self.done + oldest.work,
+            work: self.done + self.untimed + oldest.work,
             seconds: now.saturating_duration_since(since).as_secs_f64(),
         })
     }
@@ -181,6 +194,7 @@ impl Timing {
             expired = true;
         }
         if expired {
+            // What was untimed stays counted: some of it may still be ahead.
             self.busy_since = self.awaited.front().map(|pick| pick.queued_at);
             self.done = 0.0;
         }
@@ -265,11 +279,13 @@ impl PrefillQueue {
                 work,
                 queued_at: now,
             };
-            if let Some(oldest) = self.timing.push(awaited) {
+            if let Some(oldest) = self.timing.push(awaited, start - self.drained) {
                 if !self.holds(oldest.number) {
                     unindex(oldest.last_key, oldest.number);
                 }
             }
+        } else {
+            self.timing.queue_untimed(work);
         }
         if self.picks.len() > MAX_QUEUED_PICKS {
             if let Some(oldest) = self.picks.pop_front() {
@@ -729,28 +745,39 @@ mod tests {
         // Nothing awaited: a pick confirmed by a key that may come early times nothing.
         backlogs.add(a, 3000, ConfirmedBy::Key(9), now);
         assert_eq!(backlogs.overdue(a, at(500)), None);
+        // Queued behind 2,000 tokens of it (by the speed), and an untimed pick after it:
+        // the replica may do both first, so both count.
         backlogs.add(a, 3000, ConfirmedBy::LastBlock(1), at(100));
+        backlogs.add(a, 500, ConfirmedBy::Nothing, at(150));
         backlogs.add(a, 1000, ConfirmedBy::LastBlock(2), at(200));
-        // Its oldest awaited pick not done a second after the period began.
-        let overdue = |at| backlogs.overdue(a, at);
+        let overdue = |backlogs: &Backlogs, ms| backlogs.overdue(a, at(ms));
         assert_eq!(
-            overdue(at(1100)),
+            overdue(&backlogs, 1100),
             Some(Overdue {
-                work: 3000.0,
+                work: 5500.0,
                 seconds: 1.0
             })
         );
         // Once it is confirmed, the next one: the first's work is done, the second's not.
         backlogs.confirm(a, &[1], at(1500));
         assert_eq!(
-            backlogs.overdue(a, at(2100)),
+            overdue(&backlogs, 2100),
             Some(Overdue {
-                work: 4000.0,
+                work: 6500.0,
                 seconds: 2.0
             })
         );
         backlogs.confirm(a, &[2], at(2200));
-        assert_eq!(backlogs.overdue(a, at(2300)), None);
+        assert_eq!(overdue(&backlogs, 2300), None);
+        // A new period counts only what is ahead of it then.
+        backlogs.add(a, 4000, ConfirmedBy::LastBlock(3), at(10_000));
+        assert_eq!(
+            overdue(&backlogs, 11_000),
+            Some(Overdue {
+                work: 4000.0,
+                seconds: 1.0
+            })
+        );
     }
 
     #[test]

@@ -393,19 +393,28 @@ pub enum SpeedSource {
 /// The speed to rank a replica at, `tokens_per_second` by what it measured or was
 /// assumed, while its events say it has not finished `overdue`: no faster than that work
 /// over that time, once both are evidence enough (as for a busy period its events timed).
-/// A bound more than [`MAX_SAMPLE_SURPRISE`] times below the figure is not taken: a pick
-/// awaited that long is more likely lost (its request failed before its prefill) than
-/// prefilling, and the figure stands until the pick is forgotten.
-pub fn capped_by_overdue(tokens_per_second: f64, overdue: Overdue) -> f64 {
+/// A bound within [`SAME_SPEED`] of the figure leaves it (the hops to the replica are in
+/// the time), and one more than [`MAX_SAMPLE_SURPRISE`] times below it is not taken: a
+/// pick awaited that long more likely belongs to a request that failed before its
+/// prefill. `None` when no cap can come of this wait as it stands (too little work, or
+/// past that bound): the bound falls with time otherwise, so the caller looks again.
+pub fn capped_by_overdue(tokens_per_second: f64, overdue: Overdue) -> Option<f64> {
     let Overdue { work, seconds } = overdue;
-    if !(work >= MIN_COMPUTED_TOKENS && seconds >= MIN_TIMED_SECONDS) {
-        return tokens_per_second;
+    if work < MIN_COMPUTED_TOKENS {
+        return None;
+    }
+    if seconds < MIN_TIMED_SECONDS {
+        return Some(tokens_per_second);
     }
     let bound = work / seconds;
     if bound * MAX_SAMPLE_SURPRISE < tokens_per_second {
-        return tokens_per_second;
+        return None;
     }
-    bound.min(tokens_per_second)
+    Some(if bound >= tokens_per_second * (1.0 - SAME_SPEED) {
+        tokens_per_second
+    } else {
+        bound
+    })
 }
 
 /// A replica's speed as the ranking uses it, as `/v1/endpoints` shows it.
@@ -721,15 +730,28 @@ mod tests {
     fn an_overdue_pick_caps_the_speed_within_reason() {
         let overdue = |work: f64, seconds: f64| Overdue { work, seconds };
         // 3,000 tokens not done in a second: no faster than 3,000 tokens/s.
-        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 1.0)), 3000.0);
-        // A bound above the figure changes nothing.
-        assert_eq!(capped_by_overdue(2000.0, overdue(3000.0, 1.0)), 2000.0);
-        // Too little work or time is no evidence (the hops are most of it).
-        assert_eq!(capped_by_overdue(5000.0, overdue(1000.0, 1.0)), 5000.0);
-        assert_eq!(capped_by_overdue(50_000.0, overdue(2048.0, 0.04)), 50_000.0);
+        assert_eq!(
+            capped_by_overdue(5000.0, overdue(3000.0, 1.0)),
+            Some(3000.0)
+        );
+        // A bound above the figure, or within a tenth below it, leaves the figure.
+        assert_eq!(
+            capped_by_overdue(2000.0, overdue(3000.0, 1.0)),
+            Some(2000.0)
+        );
+        assert_eq!(
+            capped_by_overdue(3200.0, overdue(3000.0, 1.0)),
+            Some(3200.0)
+        );
+        // Too short a time is no evidence yet; too little work never will be.
+        assert_eq!(
+            capped_by_overdue(50_000.0, overdue(2048.0, 0.04)),
+            Some(50_000.0)
+        );
+        assert_eq!(capped_by_overdue(5000.0, overdue(1000.0, 1.0)), None);
         // More than eight times below the figure: more likely a lost pick than that slow.
-        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 4.0)), 750.0);
-        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 5.0)), 5000.0);
+        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 4.0)), Some(750.0));
+        assert_eq!(capped_by_overdue(5000.0, overdue(3000.0, 5.0)), None);
     }
 
     #[test]

@@ -232,6 +232,20 @@ pub struct LookupResponse {
 /// The longest a measured speed waits to be ranked on.
 pub const SPEED_REFRESH_GAP: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// What [`Daemon::refresh_speeds`] gathers of one replica, from its best-sampled rank.
+#[derive(Clone, Copy)]
+struct ReplicaFigures {
+    /// What it measured, for the fleet's speeds.
+    measurement: Measurement,
+    /// Where its speed comes from when its metrics have measured nothing here yet: a
+    /// peer's figures or its events.
+    borrowed: Option<SpeedSource>,
+    /// Whether its own metrics measured it.
+    metrics_measured: bool,
+    /// How many data-parallel ranks it has.
+    ranks: usize,
+}
+
 /// Event streams whose sockets share a ZMQ context: each takes up to four (its events,
 /// the two ends of their monitor, its replay), within libzmq's 1,023 per context with room
 /// for sockets closing in the background.
@@ -499,10 +513,7 @@ impl Daemon {
         self.speeds_stale.store(false, Ordering::Relaxed);
         *self.speeds_refreshed.lock() = Some(now);
         let endpoints = self.endpoints.read().clone();
-        // Replica -> (what it measured, where that speed comes from when its metrics have
-        // measured nothing here yet: a peer's figures or its events, and whether its
-        // metrics have), from its best-sampled rank.
-        let mut replicas: Vec<(Measurement, Option<SpeedSource>, bool)> = Vec::new();
+        let mut replicas: Vec<ReplicaFigures> = Vec::new();
         let mut places: HashMap<&str, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(endpoints.len(), Default::default());
         let mut peer_speeds = self.peer_speeds.lock();
@@ -528,22 +539,29 @@ impl Daemon {
                 samples: status.speed.samples(),
                 current: borrowed.is_some() || status.speed.is_current(now),
             };
-            let replica = (measurement, borrowed, own.is_some());
+            let replica = ReplicaFigures {
+                measurement,
+                borrowed,
+                metrics_measured: own.is_some(),
+                ranks: 1,
+            };
             match places
                 .get(endpoint.spec.endpoint.as_str())
                 .and_then(|&i| replicas.get_mut(i))
             {
-                // A rank timed by its events stands for the replica when no rank's metrics
-                // measured it.
-                Some(known)
-                    if replica.0.samples > known.0.samples
-                        || (replica.0.samples == known.0.samples
-                            && known.0.speed.is_none()
-                            && replica.0.speed.is_some()) =>
-                {
-                    *known = replica
+                Some(known) => {
+                    let ranks = known.ranks + 1;
+                    // A rank timed by its events stands for the replica when no rank's
+                    // metrics measured it.
+                    if replica.measurement.samples > known.measurement.samples
+                        || (replica.measurement.samples == known.measurement.samples
+                            && known.measurement.speed.is_none()
+                            && replica.measurement.speed.is_some())
+                    {
+                        *known = replica;
+                    }
+                    known.ranks = ranks;
                 }
-                Some(_) => {}
                 None => {
                     places.insert(&endpoint.spec.endpoint, replicas.len());
                     replicas.push(replica);
@@ -551,21 +569,20 @@ impl Daemon {
             }
         }
         drop(peer_speeds);
-        let measured: Vec<Measurement> = replicas.iter().map(|&(m, _, _)| m).collect();
+        let measured: Vec<Measurement> = replicas.iter().map(|r| r.measurement).collect();
         let views = crate::speed::speeds(&measured, self.settings.speed_flags);
         let mut table = self.speeds.write();
         let mut backlogs = self.backlogs.lock();
-        // Whether a replica's speed may be capped by a pick overdue there.
-        let mut awaiting = false;
+        // Whether a pick overdue somewhere may cap a speed as its wait goes on.
+        let mut cap_may_fall = false;
         for endpoint in endpoints.iter() {
-            let Some((mut view, borrowed, own_measured)) =
-                places.get(endpoint.spec.endpoint.as_str()).and_then(|&i| {
-                    let &(_, borrowed, own_measured) = replicas.get(i)?;
-                    Some((*views.get(i)?, borrowed, own_measured))
-                })
+            let Some((mut view, replica)) = places
+                .get(endpoint.spec.endpoint.as_str())
+                .and_then(|&i| Some((*views.get(i)?, *replicas.get(i)?)))
             else {
                 continue;
             };
+            let borrowed = replica.borrowed;
             if let Some(source) = borrowed {
                 // The figures are a peer's or its events', not its metrics' measurement.
                 if view.source == SpeedSource::Measured {
@@ -574,17 +591,14 @@ impl Daemon {
                 view.measured_tokens_per_second = None;
                 view.measured_overhead_ms = None;
             }
-            // Neither its metrics nor a peer measured it, nor does a flag fix its speed:
-            // while a pick it was sent is overdue, it is no faster than its events allow,
+            // While a pick it was sent is overdue, it is no faster than its events allow,
             // and the bound falls with every refresh until the pick is confirmed.
-            if !own_measured
-                && borrowed != Some(SpeedSource::Peer)
-                && self.settings.speed_flags.tokens_per_second.is_none()
-            {
-                if let Some(overdue) = backlogs.overdue(endpoint.slot, now) {
-                    view.tokens_per_second =
-                        crate::speed::capped_by_overdue(view.tokens_per_second, overdue);
-                    awaiting = true;
+            if self.may_cap_by_overdue(&replica) {
+                if let Some(capped) = backlogs.overdue(endpoint.slot, now).and_then(|overdue| {
+                    crate::speed::capped_by_overdue(view.tokens_per_second, overdue)
+                }) {
+                    view.tokens_per_second = capped;
+                    cap_may_fall = true;
                 }
             }
             if let Some(entry) = table.get_mut(endpoint.slot.index()) {
@@ -603,11 +617,22 @@ impl Daemon {
                 .get_or_create(&label)
                 .set(view.overhead_ms / 1e3);
         }
-        if awaiting {
+        if cap_may_fall {
             // The cap falls as the wait goes on, with no scrape or event to say so: the
             // next tick refreshes again.
             self.speeds_stale.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// Whether a pick overdue on `replica` may cap its speed: neither its metrics nor a
+    /// peer measured it, no flag fixes its speed, and it has one rank (vLLM balances a
+    /// replica's requests over its data-parallel ranks, so the rank a pick was booked on
+    /// may never store its blocks).
+    fn may_cap_by_overdue(&self, replica: &ReplicaFigures) -> bool {
+        !replica.metrics_measured
+            && replica.borrowed != Some(SpeedSource::Peer)
+            && self.settings.speed_flags.tokens_per_second.is_none()
+            && replica.ranks == 1
     }
 
     /// Puts a freed slot back to the speed nothing measured.
@@ -1039,22 +1064,21 @@ impl Daemon {
                         Some(&last) if self.index.read().holds_in_any_group(GPU, last, slot) => {
                             ConfirmedBy::Key(last)
                         }
-                        Some(&last) => {
-                            // Awaited from now: the speed of a replica its metrics have not
-                            // measured is capped while the pick is overdue, from the next
-                            // refresh on.
-                            let unmeasured = self
-                                .speeds
-                                .read()
-                                .get(slot.index())
-                                .is_some_and(|view| view.measured_tokens_per_second.is_none());
-                            if unmeasured {
-                                self.speeds_stale.store(true, Ordering::Relaxed);
-                            }
-                            ConfirmedBy::LastBlock(last)
-                        }
+                        Some(&last) => ConfirmedBy::LastBlock(last),
                     };
                     self.backlogs.lock().add(slot, work, confirmed_by, now);
+                    // Awaited from now: the speed of a replica nothing measured is capped
+                    // while the pick is overdue, from the next refresh on.
+                    let awaited_unmeasured = matches!(confirmed_by, ConfirmedBy::LastBlock(_))
+                        && self.settings.speed_flags.tokens_per_second.is_none()
+                        && self
+                            .speeds
+                            .read()
+                            .get(slot.index())
+                            .is_some_and(|view| view.measured_tokens_per_second.is_none());
+                    if awaited_unmeasured {
+                        self.speeds_stale.store(true, Ordering::Relaxed);
+                    }
                 }
                 let keys: Vec<BlockKey> = keys.iter().copied().map(BlockKey).collect();
                 let windows: Vec<std::ops::Range<usize>> =

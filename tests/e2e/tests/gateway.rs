@@ -1431,6 +1431,25 @@ fn a_replica_overdue_with_its_first_prefill_gets_no_new_conversations_meanwhile(
                  the test timed nothing"
             );
         }
+        // What did it: nothing has timed the slow replica, and its wait caps it below the
+        // fast one, which its events have timed (ranked as the fleet: it is all of it).
+        let prefill = |endpoint: &str| -> Value {
+            stack
+                .endpoint(endpoint)
+                .map(|e| e["prefill"].clone())
+                .unwrap_or_default()
+        };
+        let (fast_view, slow_view) = (prefill(&fast), prefill(&slow));
+        assert!(
+            ended.try_recv().is_err(),
+            "read after the slow prefill ended"
+        );
+        let rate = |view: &Value| view["tokens_per_second"].as_f64().unwrap_or(0.0);
+        assert_ne!(slow_view["source"], "events", "{slow_view}");
+        assert!(
+            rate(&slow_view) < 0.5 * rate(&fast_view),
+            "slow {slow_view}, fast {fast_view}"
+        );
         for handle in pending {
             let reply = handle.join().unwrap();
             assert_eq!(reply.status, 200, "{}", reply.body);

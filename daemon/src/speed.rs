@@ -19,8 +19,8 @@
 //! pair, one replica 1.9x slower than the other, 32 conversations that arrived within 2 s
 //! were all placed before either was measured). And while a pick is awaited the replica
 //! has not finished it, which caps its speed before its first prefill ends
-//! ([`capped_by_overdue`]): that pair's slow replica then got 12 of 32 such conversations
-//! in two runs of three, against 15-16 without the cap.
+//! ([`capped_by_overdue`]): that pair's slow replica then got 11-12 of 32 such
+//! conversations in four runs of five, against 15-16 without the cap.
 
 use std::time::{Duration, Instant};
 

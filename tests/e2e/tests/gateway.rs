@@ -1171,12 +1171,7 @@ fn a_replica_measured_slow_is_measured_afresh_once_its_figures_are_old() {
         .map(|r| Upstream::with_events(r.endpoint_flag()))
         .collect();
     let stack = Stack::front(StackConfig::default(), upstreams).unwrap();
-    let prefill = |endpoint: &str| -> Value {
-        stack
-            .endpoint(endpoint)
-            .map(|e| e["prefill"].clone())
-            .unwrap_or(Value::Null)
-    };
+    let prefill = |endpoint: &str| prefill(&stack, endpoint);
     let samples = |endpoint: &str| prefill(endpoint)["samples"].as_u64().unwrap_or(0);
     // Six new prompts of three lengths straight to each replica, each scraped before the
     // next.
@@ -1258,17 +1253,10 @@ fn a_replica_measured_slow_is_measured_afresh_once_its_figures_are_old() {
     assert!(served.iter().any(|(_, by)| *by == slow), "{served:?}");
 }
 
-/// Before a replica's metrics have measured anything, kvaffined times it by its KV events:
-/// the work of the picks whose last block it stored, over the time it was busy with them.
-/// A fleet starting cold is ranked by speed from its first prefills on, not as equals
-/// until requests have finished.
-#[test]
-fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
-    // One replica three times as slow as the other (the emulator's model prefills
-    // 1 / 0.1955 ms = 5,115 uncached tokens/s after a 40 ms fixed cost, both scaled by
-    // --time-scale). kvaffined scrapes each replica once when it starts following it and
-    // then once a week: its metrics teach it nothing here.
-    let scales = [0.5, 1.5];
+/// Two emulated replicas at these time scales (the first the fast one) behind kvaffined
+/// scraping each once when it starts following it and then once a week, so that only
+/// their events tell it anything; with their addresses.
+fn fleet_timed_by_events_alone(scales: [f64; 2]) -> (Stack, String, String) {
     let config = StackConfig {
         replica_args: vec!["--time-scale".into(), scales[0].to_string()],
         per_replica_args: vec![
@@ -1284,12 +1272,30 @@ fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
         stack.replicas[0].http.clone(),
         stack.replicas[1].http.clone(),
     );
-    let prefill = |endpoint: &str| -> Value {
-        stack
-            .endpoint(endpoint)
-            .map(|e| e["prefill"].clone())
-            .unwrap_or_default()
-    };
+    (stack, fast, slow)
+}
+
+/// A replica's `prefill` in kvaffined's `/v1/endpoints`.
+fn prefill(stack: &Stack, endpoint: &str) -> Value {
+    stack
+        .endpoint(endpoint)
+        .map(|e| e["prefill"].clone())
+        .unwrap_or_default()
+}
+
+/// Before a replica's metrics have measured anything, kvaffined times it by its KV events:
+/// the work of the picks whose last block it stored, over the time it was busy with them.
+/// A fleet starting cold is ranked by speed from its first prefills on, not as equals
+/// until requests have finished.
+#[test]
+fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
+    // One replica three times as slow as the other (the emulator's model prefills
+    // 1 / 0.1955 ms = 5,115 uncached tokens/s after a 40 ms fixed cost, both scaled by
+    // --time-scale). kvaffined scrapes each replica once when it starts following it and
+    // then once a week: its metrics teach it nothing here.
+    let scales = [0.5, 1.5];
+    let (stack, fast, slow) = fleet_timed_by_events_alone(scales);
+    let prefill = |endpoint: &str| prefill(&stack, endpoint);
     for replica in [&fast, &slow] {
         assert_eq!(
             prefill(replica)["source"],
@@ -1373,22 +1379,7 @@ fn a_replica_overdue_with_its_first_prefill_gets_no_new_conversations_meanwhile(
     // about 0.26 s on the fast one and 2.0 s on the slow one (the emulator's model, 5,115
     // tokens/s after 40 ms, scaled by --time-scale). kvaffined scrapes once a week, so
     // only the replicas' events tell it anything.
-    let scales = [0.5, 4.0];
-    let config = StackConfig {
-        replica_args: vec!["--time-scale".into(), scales[0].to_string()],
-        per_replica_args: vec![
-            Vec::new(),
-            vec!["--time-scale".into(), scales[1].to_string()],
-        ],
-        daemon_args: vec!["--scrape-interval-ms".into(), "604800000".into()],
-        ..StackConfig::default()
-    };
-    let stack = Stack::start(config).unwrap();
-    stack.wait_scraped().unwrap();
-    let (fast, slow) = (
-        stack.replicas[0].http.clone(),
-        stack.replicas[1].http.clone(),
-    );
+    let (stack, fast, slow) = fleet_timed_by_events_alone([0.5, 4.0]);
     let prompt = |pair: usize, i: usize| -> Value {
         let text: String = (0..2400).map(|w| format!("o{pair}x{i}w{w} ")).collect();
         json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1})
@@ -1433,13 +1424,7 @@ fn a_replica_overdue_with_its_first_prefill_gets_no_new_conversations_meanwhile(
         }
         // What did it: nothing has timed the slow replica, and its wait caps it below the
         // fast one, which its events have timed (ranked as the fleet: it is all of it).
-        let prefill = |endpoint: &str| -> Value {
-            stack
-                .endpoint(endpoint)
-                .map(|e| e["prefill"].clone())
-                .unwrap_or_default()
-        };
-        let (fast_view, slow_view) = (prefill(&fast), prefill(&slow));
+        let (fast_view, slow_view) = (prefill(&stack, &fast), prefill(&stack, &slow));
         assert!(
             ended.try_recv().is_err(),
             "read after the slow prefill ended"

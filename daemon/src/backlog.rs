@@ -483,8 +483,9 @@ impl Backlogs {
 
     /// What `slot`'s replica has not finished by `now`, while one of its timed picks is
     /// awaited. The bound ignores what the replica may have started of later picks in the
-    /// same steps (vLLM fills a step's token budget with the next waiting prompts), so it
-    /// can be low by up to one step's budget over the time.
+    /// same steps (vLLM's chunked prefill fills a step's token budget with the next
+    /// waiting prompts: its design, not measured here), so it can be low by up to one
+    /// step's budget over the time.
     pub fn overdue(&self, slot: Slot, now: Instant) -> Option<Overdue> {
         self.queues.get(slot.index())?.timing.overdue(now)
     }

@@ -240,8 +240,6 @@ struct ReplicaFigures {
     /// Where its speed comes from when its metrics have measured nothing here yet: a
     /// peer's figures or its events.
     borrowed: Option<SpeedSource>,
-    /// Whether its own metrics measured it.
-    metrics_measured: bool,
     /// How many data-parallel ranks it has.
     ranks: usize,
 }
@@ -542,7 +540,6 @@ impl Daemon {
             let replica = ReplicaFigures {
                 measurement,
                 borrowed,
-                metrics_measured: own.is_some(),
                 ranks: 1,
             };
             match places
@@ -625,12 +622,11 @@ impl Daemon {
     }
 
     /// Whether a pick overdue on `replica` may cap its speed: neither its metrics nor a
-    /// peer measured it, no flag fixes its speed, and it has one rank (vLLM balances a
-    /// replica's requests over its data-parallel ranks, so the rank a pick was booked on
-    /// may never store its blocks).
+    /// peer measured it (its figures are its events' or none), no flag fixes its speed,
+    /// and it has one rank (a pick is booked on one rank, and the replica's front end
+    /// picks the rank that serves it, so the booked one may never store its blocks).
     fn may_cap_by_overdue(&self, replica: &ReplicaFigures) -> bool {
-        !replica.metrics_measured
-            && replica.borrowed != Some(SpeedSource::Peer)
+        (replica.borrowed == Some(SpeedSource::Events) || replica.measurement.speed.is_none())
             && self.settings.speed_flags.tokens_per_second.is_none()
             && replica.ranks == 1
     }

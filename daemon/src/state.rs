@@ -754,6 +754,8 @@ impl Daemon {
                             c.load.pending_prefill_tokens,
                             (policy.cost(request_blocks, c, demand) * 1e3).round(),
                             policy.saturated(c, least_waiting),
+                            c.speed.tokens_per_second.round(),
+                            c.speed.overhead_tokens.round(),
                         )
                     })
                 };
@@ -761,7 +763,8 @@ impl Daemon {
                     chosen = name(first),
                     longest = name(longest),
                     ?demand,
-                    "(matched blocks, waiting, pending prefill tokens, cost ms, saturated): \
+                    "(matched blocks, waiting, pending prefill tokens, cost ms, saturated, \
+                     tokens per second, overhead tokens): \
                      chosen {:?}, longest match {:?}",
                     figures(first),
                     figures(longest),

@@ -10,6 +10,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use kvaffine_core::api::Api;
 use kvaffine_core::config::{Mode, Router};
 use kvaffine_core::events::{
@@ -717,7 +718,19 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
             prompt,
             &second,
             chat_cached(&second),
-        )?;
+        )
+        .with_context(|| {
+            // What kvaffined ranked by, read at once: each replica's backlog and scraped
+            // queue (a lookup that books nothing), its speed and where that came from.
+            let http = |method, path, body| {
+                vllm_emu::harness::http(&stack.daemon_addr, method, path, body).1
+            };
+            format!(
+                "kvaffined right after the round: lookup {}; endpoints {}",
+                http("POST", "/v1/lookup", r#"{"keys": []}"#),
+                http("GET", "/v1/endpoints", "")
+            )
+        })?;
     }
     let (status, text) = vllm_emu::harness::http(&stack.daemon_addr, "GET", "/v1/endpoints", "");
     ensure(status == 200, || format!("/v1/endpoints: {status} {text}"))?;

@@ -810,6 +810,20 @@ pub fn precise_cost() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Real vLLM's prefill time by prompt length and cached prefix, beside the ranking's cost
+/// model -> `docs/benchmarks/prefill-shape.md`.
+pub fn prefill_shape() -> anyhow::Result<()> {
+    ensure_bench_model(BenchModel::Large)?;
+    let tables = e2e_bench(&["prefill-shape"])?;
+    let md = include_str!("bench_prefill_shape.md")
+        .replace("{{VERSION}}", &crate::vllm::newest()?)
+        .replace("{{MACHINE}}", &machine())
+        .replace("{{TABLES}}", &tables);
+    write(&sh::root().join("docs/benchmarks/prefill-shape.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
 fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;

@@ -49,6 +49,9 @@ commands:
   bench precise-cost
                 what precise routing adds to a continuation on real vLLM against its own
                 /tokenize, and where the filter's time goes -> docs/benchmarks/precise-cost.md
+  bench prefill-shape
+                real vLLM's prefill time by prompt length and cached prefix, beside the
+                ranking's cost model -> docs/benchmarks/prefill-shape.md
   bench seed [--engine emu|vllm] [--model hybrid]
                 the published two-replica measurement, reproduced -> docs/benchmarks/seed/
                 (real vLLM: docs/benchmarks/seed-vllm/; GPT-OSS's hybrid attention: -hybrid)
@@ -104,6 +107,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         ["bench", "outcomes"] => bench::outcomes(),
         ["bench", "restart"] => bench::restart(),
         ["bench", "precise-cost"] => bench::precise_cost(),
+        ["bench", "prefill-shape"] => bench::prefill_shape(),
         ["bench", "seed", rest @ ..] => bench::seed(rest),
         ["bench", "reliability"] => bench::reliability(),
         ["bench", "soak", rest @ ..] => bench::soak(rest),

@@ -9,6 +9,7 @@ pub mod chart;
 pub mod client;
 pub mod load;
 pub mod peers;
+pub mod prefill_shape;
 pub mod scenarios;
 pub mod seed;
 pub mod session;

@@ -116,6 +116,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
         Some("filter-profile") => filter_profile(args.get(1).map_or("hash", String::as_str)),
         Some("outcomes") => outcomes(),
         Some("precise-cost") => precise_cost(),
+        Some("prefill-shape") => prefill_shape(),
         Some("seed") => seed(
             args.get(1)
                 .context("usage: bench seed OUT_DIR [emu|vllm] [hybrid]")?,
@@ -1920,6 +1921,23 @@ fn words(seed: usize, n: usize) -> String {
     (0..n)
         .map(|i| format!("w{} ", (i * 7919 + seed * 104_729) % 99_991))
         .collect()
+}
+
+/// `bench prefill-shape`: vLLM's own prefill time for cold prompts and for new tokens
+/// after a cached prefix, on one replica of the benchmark model and one of the large one
+/// in turn, beside what kvaffined's ranking model and an attention-aware one fitted to the
+/// same rows predict (see `kvaffine_e2e::prefill_shape`).
+fn prefill_shape() -> anyhow::Result<()> {
+    use kvaffine_e2e::prefill_shape::{measure, table};
+    let cached_token_cost = kvaffine_core::PickPolicy::default().cached_token_cost;
+    for (model, described) in [
+        (BenchModel::Bench, "the benchmark model (4 layers)"),
+        (BenchModel::Large, "the large benchmark model (8 layers)"),
+    ] {
+        let samples = measure(model.dir())?;
+        println!("{}", table(described, &samples, cached_token_cost)?);
+    }
+    Ok(())
 }
 
 /// `bench precise-cost`: what precise routing adds on real vLLM for turn 1s of new salts,

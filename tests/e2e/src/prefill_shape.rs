@@ -1,0 +1,294 @@
+//! What a prompt costs real vLLM to prefill, by how long it is and how much of it is
+//! cached, as vLLM itself reports it (`vllm:request_prefill_time_seconds`), beside what
+//! kvaffined's ranking model charges for the same prompt. The ranking weighs a cached
+//! token at a fixed share of a computed one; on a CPU replica the cost of a computed token
+//! grows with the context it attends over, which that model cannot express. This measures
+//! by how much, so the model can be judged against the engine instead of the emulator.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use serde_json::json;
+
+use crate::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+
+/// Cold prompts, in tokens.
+const COLD: [usize; 4] = [1024, 2048, 4096, 7168];
+/// Cached prefixes, in tokens, and the new tokens sent after each.
+const CACHED: [usize; 2] = [1024, 7168];
+const NEW: [usize; 5] = [32, 128, 320, 1280, 2560];
+/// Requests per row; the row shows their median.
+const REPEATS: u64 = 3;
+
+/// One row: `cached` tokens served from the cache, `computed` prefilled, vLLM's prefill
+/// time (median of [`REPEATS`] requests, seconds).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    /// Prompt tokens served from the prefix cache.
+    pub cached: f64,
+    /// Prompt tokens computed.
+    pub computed: f64,
+    /// vLLM's prefill time, seconds.
+    pub seconds: f64,
+}
+
+/// Least squares over rows of `columns` and `targets`: the coefficients, or None when the
+/// rows do not determine them.
+fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
+    // The normal equations `a x = b`.
+    let mut a = [[0.0; N]; N];
+    let mut b = [0.0; N];
+    for (x, y) in rows {
+        for ((a_row, b_i), x_i) in a.iter_mut().zip(b.iter_mut()).zip(x) {
+            *b_i += x_i * y;
+            for (cell, x_j) in a_row.iter_mut().zip(x) {
+                *cell += x_i * x_j;
+            }
+        }
+    }
+    // Gaussian elimination with partial pivoting.
+    for col in 0..N {
+        let pivot = (col..N).max_by(|&p, &q| a[p][col].abs().total_cmp(&a[q][col].abs()))?;
+        if a[pivot][col].abs() < 1e-300 {
+            return None;
+        }
+        a.swap(col, pivot);
+        b.swap(col, pivot);
+        let (pivot_row, pivot_b) = (a[col], b[col]);
+        for row in col + 1..N {
+            let factor = a[row][col] / pivot_row[col];
+            for (cell, above) in a[row].iter_mut().zip(pivot_row).skip(col) {
+                *cell -= factor * above;
+            }
+            b[row] -= factor * pivot_b;
+        }
+    }
+    let mut x = [0.0; N];
+    for row in (0..N).rev() {
+        let rest: f64 = a[row].iter().zip(x).skip(row + 1).map(|(a, x)| a * x).sum();
+        x[row] = (b[row] - rest) / a[row][row];
+    }
+    Some(x)
+}
+
+/// kvaffined's model, `t = overhead + (computed + cached_token_cost x cached) / speed`,
+/// fitted to `samples` as its scrapes would fit them (`daemon/src/speed.rs`): by least
+/// squares, or, where that gives a negative fixed cost, none and the plain ratio of the
+/// work to the time. (overhead s, tokens/s).
+pub fn linear_fit(samples: &[Sample], cached_token_cost: f64) -> Option<(f64, f64)> {
+    let work = |s: &Sample| s.computed + cached_token_cost * s.cached;
+    let rows: Vec<([f64; 2], f64)> = samples
+        .iter()
+        .map(|s| ([1.0, work(s)], s.seconds))
+        .collect();
+    let [overhead, per_token] = least_squares(&rows)?;
+    if overhead >= 0.0 && per_token > 0.0 {
+        return Some((overhead, 1.0 / per_token));
+    }
+    let (work, seconds): (f64, f64) = samples
+        .iter()
+        .fold((0.0, 0.0), |(w, t), s| (w + work(s), t + s.seconds));
+    (seconds > 0.0).then(|| (0.0, work / seconds))
+}
+
+/// A model where each computed token attends over the context before it:
+/// `t = a + b x computed + e x computed x (cached + computed / 2)`: (a s, b s per token,
+/// e s per token pair).
+pub fn attention_fit(samples: &[Sample]) -> Option<[f64; 3]> {
+    let rows: Vec<([f64; 3], f64)> = samples
+        .iter()
+        .map(|s| {
+            let pairs = s.computed * (s.cached + s.computed / 2.0);
+            ([1.0, s.computed, pairs], s.seconds)
+        })
+        .collect();
+    least_squares(&rows)
+}
+
+/// Token ids, different per `seed`, inside every test model's vocabulary.
+fn ids(seed: u64, n: usize) -> Vec<u64> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            1000 + x % 40_000
+        })
+        .collect()
+}
+
+/// vLLM's summed prefill seconds so far.
+fn prefill_seconds(replica: &VllmProcess) -> anyhow::Result<f64> {
+    let (status, text) = vllm_emu::harness::http(&replica.http, "GET", "/metrics", "");
+    anyhow::ensure!(status == 200, "/metrics: {status}");
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("vllm:request_prefill_time_seconds_sum")
+                .and_then(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
+        })
+        .context("no vllm:request_prefill_time_seconds_sum")
+}
+
+/// Sends `prompt` (token ids, one output token); returns the tokens vLLM served from its
+/// cache and the prefill seconds it reported for it (requests go one at a time, so the
+/// histogram's sum moves by this one's alone).
+fn prefill(replica: &VllmProcess, prompt: &[u64]) -> anyhow::Result<(u64, f64)> {
+    let before = prefill_seconds(replica)?;
+    let (status, body) = replica.post(
+        "/v1/completions",
+        &json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1}),
+    );
+    anyhow::ensure!(status == 200, "/v1/completions: {status} {body}");
+    let cached = body
+        .pointer("/usage/prompt_tokens_details/cached_tokens")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0);
+    Ok((cached, prefill_seconds(replica)? - before))
+}
+
+/// The median prefill of [`REPEATS`] prompts of `cached` tokens already cached (the
+/// prefix `prefix`) and `new` more; fails unless vLLM served exactly the prefix from its
+/// cache.
+fn row(replica: &VllmProcess, prefix: &[u64], new: usize, seed: u64) -> anyhow::Result<Sample> {
+    let mut seconds = Vec::new();
+    for repeat in 0..REPEATS {
+        let mut prompt = prefix.to_vec();
+        prompt.extend(ids(seed * 16 + repeat, new));
+        let (cached, took) = prefill(replica, &prompt)?;
+        anyhow::ensure!(
+            cached == prefix.len() as u64,
+            "vLLM served {cached} tokens from cache, not the {}-token prefix",
+            prefix.len()
+        );
+        seconds.push(took);
+    }
+    seconds.sort_by(f64::total_cmp);
+    Ok(Sample {
+        cached: prefix.len() as f64,
+        computed: new as f64,
+        seconds: seconds.get(seconds.len() / 2).copied().unwrap_or(0.0),
+    })
+}
+
+/// One replica of the model in `dir` (the vLLM home's models), measured row by row,
+/// one request at a time.
+pub fn measure(dir: &str) -> anyhow::Result<Vec<Sample>> {
+    let spec = VllmSpec {
+        model: dir.to_owned(),
+        block_size: 32,
+        max_model_len: 16_384,
+        ..VllmSpec::default()
+    };
+    let replicas = VllmProcess::start_all(&[spec])?;
+    let replica = replicas.first().context("no replica")?;
+    // The first requests of a fresh process are its slowest.
+    for warm in 0..3 {
+        prefill(replica, &ids(1 + warm, 512))?;
+    }
+    let started = Instant::now();
+    let mut samples = Vec::new();
+    for (i, &n) in COLD.iter().enumerate() {
+        samples.push(row(replica, &[], n, 100 + i as u64)?);
+    }
+    for (i, &cached) in CACHED.iter().enumerate() {
+        let prefix = ids(200 + i as u64, cached);
+        prefill(replica, &prefix)?;
+        for (j, &new) in NEW.iter().enumerate() {
+            samples.push(row(
+                replica,
+                &prefix,
+                new,
+                300 + (i * NEW.len() + j) as u64,
+            )?);
+        }
+    }
+    eprintln!(
+        "prefill shape: {dir} measured in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(samples)
+}
+
+/// The page's table for one model: each row measured, and what each model fitted to all
+/// rows predicts for it.
+pub fn table(model: &str, samples: &[Sample], cached_token_cost: f64) -> anyhow::Result<String> {
+    let (overhead, speed) =
+        linear_fit(samples, cached_token_cost).context("the linear model does not fit")?;
+    let [a, b, e] = attention_fit(samples).context("the attention model does not fit")?;
+    let linear = |s: &Sample| overhead + (s.computed + cached_token_cost * s.cached) / speed;
+    let attention =
+        |s: &Sample| a + b * s.computed + e * s.computed * (s.cached + s.computed / 2.0);
+    let error = |predicted: f64, s: &Sample| (predicted / s.seconds - 1.0) * 100.0;
+    let mut out = format!(
+        "**{model}**: kvaffined's model fitted to every row: {:.0} tokens/s after {:.1} ms, \
+         a cached token at {cached_token_cost} of a computed one. The attention model: \
+         {:.1} ms, then {:.3} ms per computed token plus {:.2} ns per token of context it \
+         attends over.\n\n\
+         | cached tokens | computed tokens | vLLM's prefill | kvaffined's model | error | attention model | error |\n\
+         |---|---|---|---|---|---|---|\n",
+        speed,
+        overhead * 1e3,
+        a * 1e3,
+        b * 1e3,
+        e * 1e9,
+    );
+    for s in samples {
+        out.push_str(&format!(
+            "| {:.0} | {:.0} | {:.1} ms | {:.1} ms | {:+.0}% | {:.1} ms | {:+.0}% |\n",
+            s.cached,
+            s.computed,
+            s.seconds * 1e3,
+            linear(s) * 1e3,
+            error(linear(s), s),
+            attention(s) * 1e3,
+            error(attention(s), s),
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(cached: f64, computed: f64, seconds: f64) -> Sample {
+        Sample {
+            cached,
+            computed,
+            seconds,
+        }
+    }
+
+    #[test]
+    fn each_model_recovers_the_figures_it_was_made_from() {
+        let linear: Vec<Sample> = [(0.0, 1000.0), (0.0, 4000.0), (7000.0, 300.0)]
+            .iter()
+            .map(|&(c, k)| sample(c, k, 0.02 + (k + 0.1 * c) / 5000.0))
+            .collect();
+        let (overhead, speed) = linear_fit(&linear, 0.1).unwrap();
+        assert!((overhead - 0.02).abs() < 1e-9, "{overhead}");
+        assert!((speed - 5000.0).abs() < 1e-6, "{speed}");
+        let quadratic: Vec<Sample> = [
+            (0.0, 1000.0),
+            (0.0, 7000.0),
+            (7000.0, 32.0),
+            (1000.0, 1280.0),
+        ]
+        .iter()
+        .map(|&(c, k)| sample(c, k, 0.03 + 2e-4 * k + 8e-8 * k * (c + k / 2.0)))
+        .collect();
+        let [a, b, e] = attention_fit(&quadratic).unwrap();
+        let close = |got: f64, want: f64| (got / want - 1.0).abs() < 1e-6;
+        assert!(
+            close(a, 0.03) && close(b, 2e-4) && close(e, 8e-8),
+            "{a} {b} {e}"
+        );
+    }
+
+    #[test]
+    fn rows_that_cannot_tell_the_figures_apart_fit_nothing() {
+        let same = vec![sample(0.0, 1000.0, 0.2); 3];
+        assert_eq!(linear_fit(&same, 0.1), None);
+    }
+}

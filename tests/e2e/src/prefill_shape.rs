@@ -14,15 +14,16 @@ use crate::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
 
 /// Cold prompts, in tokens.
 const COLD: [usize; 4] = [1024, 2048, 4096, 7168];
-/// Cached prefixes, in tokens, and the new tokens sent after each.
+/// Cached prefixes, in tokens.
 const CACHED: [usize; 2] = [1024, 7168];
+/// New tokens sent after each cached prefix.
 const NEW: [usize; 5] = [32, 128, 320, 1280, 2560];
 /// Requests per row; the row shows their median.
 const REPEATS: u64 = 3;
 
 /// One row: `cached` tokens served from the cache, `computed` prefilled, vLLM's prefill
 /// time (median of [`REPEATS`] requests, seconds).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 pub struct Sample {
     /// Prompt tokens served from the prefix cache.
     pub cached: f64,
@@ -32,8 +33,9 @@ pub struct Sample {
     pub seconds: f64,
 }
 
-/// Least squares over rows of `columns` and `targets`: the coefficients, or None when the
-/// rows do not determine them.
+/// Least squares over rows of (columns, target): the coefficients, or None when the rows do
+/// not determine them (a pivot below a billionth of its column's own sum of squares: the
+/// columns are scaled alike by that, however far apart their magnitudes).
 fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
     // The normal equations `a x = b`.
     let mut a = [[0.0; N]; N];
@@ -46,10 +48,11 @@ fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
             }
         }
     }
+    let scale: [f64; N] = std::array::from_fn(|i| a[i][i]);
     // Gaussian elimination with partial pivoting.
     for col in 0..N {
         let pivot = (col..N).max_by(|&p, &q| a[p][col].abs().total_cmp(&a[q][col].abs()))?;
-        if a[pivot][col].abs() < 1e-300 {
+        if a[pivot][col].abs() <= 1e-9 * scale[col] || a[pivot][col].is_nan() {
             return None;
         }
         a.swap(col, pivot);
@@ -72,10 +75,11 @@ fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
 }
 
 /// kvaffined's model, `t = overhead + (computed + cached_token_cost x cached) / speed`,
-/// fitted to `samples` as its scrapes would fit them (`daemon/src/speed.rs`): by least
-/// squares, or, where that gives a negative fixed cost, none and the plain ratio of the
-/// work to the time. (overhead s, tokens/s).
-pub fn linear_fit(samples: &[Sample], cached_token_cost: f64) -> Option<(f64, f64)> {
+/// fitted to `samples` by least squares, or, where that gives a negative fixed cost, with
+/// none and the plain ratio of the work to the time (what `daemon/src/speed.rs` falls
+/// back to when it has no fixed cost from an earlier fit to keep): (overhead s, tokens/s,
+/// whether it fell back).
+pub fn linear_fit(samples: &[Sample], cached_token_cost: f64) -> Option<(f64, f64, bool)> {
     let work = |s: &Sample| s.computed + cached_token_cost * s.cached;
     let rows: Vec<([f64; 2], f64)> = samples
         .iter()
@@ -83,12 +87,12 @@ pub fn linear_fit(samples: &[Sample], cached_token_cost: f64) -> Option<(f64, f6
         .collect();
     let [overhead, per_token] = least_squares(&rows)?;
     if overhead >= 0.0 && per_token > 0.0 {
-        return Some((overhead, 1.0 / per_token));
+        return Some((overhead, 1.0 / per_token, false));
     }
     let (work, seconds): (f64, f64) = samples
         .iter()
         .fold((0.0, 0.0), |(w, t), s| (w + work(s), t + s.seconds));
-    (seconds > 0.0).then(|| (0.0, work / seconds))
+    (seconds > 0.0).then(|| (0.0, work / seconds, true))
 }
 
 /// A model where each computed token attends over the context before it:
@@ -118,23 +122,30 @@ fn ids(seed: u64, n: usize) -> Vec<u64> {
         .collect()
 }
 
-/// vLLM's summed prefill seconds so far.
-fn prefill_seconds(replica: &VllmProcess) -> anyhow::Result<f64> {
+/// vLLM's prefill-time histogram so far: (requests, seconds).
+fn prefill_seconds(replica: &VllmProcess) -> anyhow::Result<(f64, f64)> {
     let (status, text) = vllm_emu::harness::http(&replica.http, "GET", "/metrics", "");
     anyhow::ensure!(status == 200, "/metrics: {status}");
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix("vllm:request_prefill_time_seconds_sum")
-                .and_then(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
-        })
-        .context("no vllm:request_prefill_time_seconds_sum")
+    let read = |name: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
+            })
+            .with_context(|| format!("no {name} in /metrics"))
+    };
+    Ok((
+        read("vllm:request_prefill_time_seconds_count")?,
+        read("vllm:request_prefill_time_seconds_sum")?,
+    ))
 }
 
 /// Sends `prompt` (token ids, one output token); returns the tokens vLLM served from its
-/// cache and the prefill seconds it reported for it (requests go one at a time, so the
-/// histogram's sum moves by this one's alone).
+/// cache and the prefill seconds it reported for it. Requests go one at a time and vLLM
+/// 0.32.0 records the histogram before it answers, so it moves by this request alone;
+/// fails if it did not move by exactly one request.
 fn prefill(replica: &VllmProcess, prompt: &[u64]) -> anyhow::Result<(u64, f64)> {
-    let before = prefill_seconds(replica)?;
+    let (requests_before, seconds_before) = prefill_seconds(replica)?;
     let (status, body) = replica.post(
         "/v1/completions",
         &json!({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1}),
@@ -143,13 +154,19 @@ fn prefill(replica: &VllmProcess, prompt: &[u64]) -> anyhow::Result<(u64, f64)> 
     let cached = body
         .pointer("/usage/prompt_tokens_details/cached_tokens")
         .and_then(serde_json::Value::as_u64)
-        .unwrap_or(0);
-    Ok((cached, prefill_seconds(replica)? - before))
+        .context("no usage.prompt_tokens_details.cached_tokens in vLLM's answer")?;
+    let (requests, seconds) = prefill_seconds(replica)?;
+    anyhow::ensure!(
+        requests - requests_before == 1.0 && seconds > seconds_before,
+        "the prefill histogram moved by {} requests and {} s for one request",
+        requests - requests_before,
+        seconds - seconds_before
+    );
+    Ok((cached, seconds - seconds_before))
 }
 
-/// The median prefill of [`REPEATS`] prompts of `cached` tokens already cached (the
-/// prefix `prefix`) and `new` more; fails unless vLLM served exactly the prefix from its
-/// cache.
+/// The median prefill of [`REPEATS`] prompts of `prefix` (cached already, or empty) and
+/// `new` more tokens; fails unless vLLM served exactly the prefix from its cache.
 fn row(replica: &VllmProcess, prefix: &[u64], new: usize, seed: u64) -> anyhow::Result<Sample> {
     let mut seconds = Vec::new();
     for repeat in 0..REPEATS {
@@ -167,7 +184,7 @@ fn row(replica: &VllmProcess, prefix: &[u64], new: usize, seed: u64) -> anyhow::
     Ok(Sample {
         cached: prefix.len() as f64,
         computed: new as f64,
-        seconds: seconds.get(seconds.len() / 2).copied().unwrap_or(0.0),
+        seconds: *seconds.get(seconds.len() / 2).context("no request")?,
     })
 }
 
@@ -213,7 +230,7 @@ pub fn measure(dir: &str) -> anyhow::Result<Vec<Sample>> {
 /// The page's table for one model: each row measured, and what each model fitted to all
 /// rows predicts for it.
 pub fn table(model: &str, samples: &[Sample], cached_token_cost: f64) -> anyhow::Result<String> {
-    let (overhead, speed) =
+    let (overhead, speed, fell_back) =
         linear_fit(samples, cached_token_cost).context("the linear model does not fit")?;
     let [a, b, e] = attention_fit(samples).context("the attention model does not fit")?;
     let linear = |s: &Sample| overhead + (s.computed + cached_token_cost * s.cached) / speed;
@@ -221,7 +238,7 @@ pub fn table(model: &str, samples: &[Sample], cached_token_cost: f64) -> anyhow:
         |s: &Sample| a + b * s.computed + e * s.computed * (s.cached + s.computed / 2.0);
     let error = |predicted: f64, s: &Sample| (predicted / s.seconds - 1.0) * 100.0;
     let mut out = format!(
-        "**{model}**: kvaffined's model fitted to every row: {:.0} tokens/s after {:.1} ms, \
+        "**{model}**: kvaffined's model over every row: {:.0} tokens/s after {:.1} ms{}, \
          a cached token at {cached_token_cost} of a computed one. The attention model: \
          {:.1} ms, then {:.3} ms per computed token plus {:.2} ns per token of context it \
          attends over.\n\n\
@@ -229,6 +246,11 @@ pub fn table(model: &str, samples: &[Sample], cached_token_cost: f64) -> anyhow:
          |---|---|---|---|---|---|---|\n",
         speed,
         overhead * 1e3,
+        if fell_back {
+            " (least squares gave a negative fixed cost: none, and the work over the time)"
+        } else {
+            " (least squares)"
+        },
         a * 1e3,
         b * 1e3,
         e * 1e9,
@@ -266,7 +288,8 @@ mod tests {
             .iter()
             .map(|&(c, k)| sample(c, k, 0.02 + (k + 0.1 * c) / 5000.0))
             .collect();
-        let (overhead, speed) = linear_fit(&linear, 0.1).unwrap();
+        let (overhead, speed, fell_back) = linear_fit(&linear, 0.1).unwrap();
+        assert!(!fell_back);
         assert!((overhead - 0.02).abs() < 1e-9, "{overhead}");
         assert!((speed - 5000.0).abs() < 1e-6, "{speed}");
         let quadratic: Vec<Sample> = [
@@ -288,7 +311,8 @@ mod tests {
 
     #[test]
     fn rows_that_cannot_tell_the_figures_apart_fit_nothing() {
-        let same = vec![sample(0.0, 1000.0, 0.2); 3];
+        let same = vec![sample(0.0, 1000.1, 0.2); 3];
         assert_eq!(linear_fit(&same, 0.1), None);
+        assert_eq!(attention_fit(&same), None);
     }
 }

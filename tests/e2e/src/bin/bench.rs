@@ -174,7 +174,7 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
             }
         }
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm [NAME]] [hybrid|large] [--time-scale X] [--vllm-shapes] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X] | peers-overhead"
+            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | prefill-shape | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm [NAME]] [hybrid|large] [--time-scale X] [--vllm-shapes] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X] | peers-overhead"
         ),
     }
 }

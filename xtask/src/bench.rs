@@ -745,39 +745,33 @@ pub fn filter(args: &[&str]) -> anyhow::Result<()> {
 /// callouts timed directly and its work run natively -> `docs/benchmarks/filter-profile.md`.
 pub fn filter_profile() -> anyhow::Result<()> {
     let table = stack_bench(&["filter-profile", "hash"])?;
-    let md = include_str!("bench_filter_profile.md")
-        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
-        .replace("{{MACHINE}}", &machine())
-        .replace("{{TABLE}}", &table);
-    write(&sh::root().join("docs/benchmarks/filter-profile.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    page(
+        include_str!("bench_filter_profile.md"),
+        "filter-profile",
+        &[("{{TABLE}}", &table)],
+    )
 }
 
 /// A gateway's kvaffined restarted between a fresh prefix's first request and its
 /// siblings, its daemon peered or not -> `docs/benchmarks/restart.md`.
 pub fn restart() -> anyhow::Result<()> {
     let table = stack_bench(&["restart"])?;
-    let md = include_str!("bench_restart.md")
-        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
-        .replace("{{MACHINE}}", &machine())
-        .replace("{{TABLE}}", &table);
-    write(&sh::root().join("docs/benchmarks/restart.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    page(
+        include_str!("bench_restart.md"),
+        "restart",
+        &[("{{TABLE}}", &table)],
+    )
 }
 
 /// The filter's cost with `report_outcomes` on and off, side by side in one run ->
 /// `docs/benchmarks/outcomes.md`.
 pub fn outcomes() -> anyhow::Result<()> {
     let table = stack_bench(&["outcomes"])?;
-    let md = include_str!("bench_outcomes.md")
-        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
-        .replace("{{MACHINE}}", &machine())
-        .replace("{{TABLE}}", &table);
-    write(&sh::root().join("docs/benchmarks/outcomes.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    page(
+        include_str!("bench_outcomes.md"),
+        "outcomes",
+        &[("{{TABLE}}", &table)],
+    )
 }
 
 /// The same table with two real vLLM replicas of the tests' model behind the filter ->
@@ -785,14 +779,14 @@ pub fn outcomes() -> anyhow::Result<()> {
 fn filter_vllm() -> anyhow::Result<()> {
     crate::vllm::ensure_newest()?;
     let table = stack_bench(&["filter", "vllm"])?;
-    let md = include_str!("bench_filter_vllm.md")
-        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
-        .replace("{{VERSION}}", &crate::vllm::newest()?)
-        .replace("{{MACHINE}}", &machine())
-        .replace("{{TABLE}}", &table);
-    write(&sh::root().join("docs/benchmarks/filter-vllm.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    page(
+        include_str!("bench_filter_vllm.md"),
+        "filter-vllm",
+        &[
+            ("{{VERSION}}", &crate::vllm::newest()?),
+            ("{{TABLE}}", &table),
+        ],
+    )
 }
 
 /// What precise routing adds to a continuation on real vLLM, against the tokenizer's own
@@ -800,14 +794,14 @@ fn filter_vllm() -> anyhow::Result<()> {
 pub fn precise_cost() -> anyhow::Result<()> {
     crate::vllm::ensure_newest()?;
     let table = stack_bench(&["precise-cost"])?;
-    let md = include_str!("bench_precise_cost.md")
-        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
-        .replace("{{VERSION}}", &crate::vllm::newest()?)
-        .replace("{{MACHINE}}", &machine())
-        .replace("{{TABLE}}", &table);
-    write(&sh::root().join("docs/benchmarks/precise-cost.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    page(
+        include_str!("bench_precise_cost.md"),
+        "precise-cost",
+        &[
+            ("{{VERSION}}", &crate::vllm::newest()?),
+            ("{{TABLE}}", &table),
+        ],
+    )
 }
 
 /// Real vLLM's prefill time by prompt length and cached prefix, beside the ranking's cost
@@ -815,11 +809,26 @@ pub fn precise_cost() -> anyhow::Result<()> {
 pub fn prefill_shape() -> anyhow::Result<()> {
     ensure_bench_model(BenchModel::Large)?;
     let tables = e2e_bench(&["prefill-shape"])?;
-    let md = include_str!("bench_prefill_shape.md")
-        .replace("{{VERSION}}", &crate::vllm::newest()?)
-        .replace("{{MACHINE}}", &machine())
-        .replace("{{TABLES}}", &tables);
-    write(&sh::root().join("docs/benchmarks/prefill-shape.md"), &md)?;
+    page(
+        include_str!("bench_prefill_shape.md"),
+        "prefill-shape",
+        &[
+            ("{{VERSION}}", &crate::vllm::newest()?),
+            ("{{TABLES}}", &tables),
+        ],
+    )
+}
+
+/// Writes `template` to `docs/benchmarks/{name}.md` and prints it, its `{{ENVOY}}` and
+/// `{{MACHINE}}` filled in, and each of `fills`.
+fn page(template: &str, name: &str, fills: &[(&str, &str)]) -> anyhow::Result<()> {
+    let mut md = template
+        .replace("{{ENVOY}}", sh::ENVOY_VERSION)
+        .replace("{{MACHINE}}", &machine());
+    for (placeholder, value) in fills {
+        md = md.replace(placeholder, value);
+    }
+    write(&sh::root().join(format!("docs/benchmarks/{name}.md")), &md)?;
     println!("{md}");
     Ok(())
 }

@@ -11,6 +11,7 @@ use anyhow::Context;
 use serde_json::json;
 
 use crate::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+use vllm_emu::rng::XorShift64;
 
 /// Cold prompts, in tokens.
 const COLD: [usize; 4] = [1024, 2048, 4096, 7168];
@@ -111,15 +112,8 @@ pub fn attention_fit(samples: &[Sample]) -> Option<[f64; 3]> {
 
 /// Token ids, different per `seed`, inside every test model's vocabulary.
 fn ids(seed: u64, n: usize) -> Vec<u64> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            1000 + x % 40_000
-        })
-        .collect()
+    let mut rng = XorShift64::from_state(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    (0..n).map(|_| 1000 + rng.next_u64() % 40_000).collect()
 }
 
 /// vLLM's prefill-time histogram so far: (requests, seconds).
@@ -193,7 +187,6 @@ fn row(replica: &VllmProcess, prefix: &[u64], new: usize, seed: u64) -> anyhow::
 pub fn measure(dir: &str) -> anyhow::Result<Vec<Sample>> {
     let spec = VllmSpec {
         model: dir.to_owned(),
-        block_size: 32,
         max_model_len: 16_384,
         ..VllmSpec::default()
     };

@@ -1359,15 +1359,26 @@ fn kvaffined_times_cold_replicas_by_their_events_before_their_metrics() {
     }
     // Idle, a new conversation goes to the faster replica, by load, every time.
     for i in 0..3 {
-        let reply = chat(&stack, &prompt(1, i));
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-kvaffine-reason"), Some("load"));
-        assert_eq!(
-            reply.header("x-served-by"),
-            Some(fast.as_str()),
-            "request {i}"
-        );
+        new_conversation_goes_to(&stack, &prompt(1, i), &fast, &format!("request {i}"));
     }
+}
+
+/// Sends `body`, a new conversation, through the gateway and asserts it was pinned by load
+/// to `replica`; `what` names it in the failure, beside every replica's speed as ranked.
+fn new_conversation_goes_to(stack: &Stack, body: &Value, replica: &str, what: &str) {
+    let reply = chat(stack, body);
+    assert_eq!(reply.status, 200, "{what}: {}", reply.body);
+    assert_eq!(reply.header("x-kvaffine-reason"), Some("load"), "{what}");
+    assert_eq!(
+        reply.header("x-served-by"),
+        Some(replica),
+        "{what}: ranked by {:?}",
+        stack
+            .endpoints()
+            .iter()
+            .map(|e| (e["endpoint"].clone(), e["prefill"].clone()))
+            .collect::<Vec<_>>()
+    );
 }
 
 /// A replica whose first prefill is overdue is known to be slow before it ends: new
@@ -1407,15 +1418,7 @@ fn a_replica_overdue_with_its_first_prefill_gets_no_new_conversations_meanwhile(
         // While the slow replica's first prefill goes on, one new conversation after
         // another: each goes to the fast replica.
         for i in 0..3 {
-            let reply = chat(&stack, &prompt(1, i));
-            assert_eq!(reply.status, 200, "{}", reply.body);
-            assert_eq!(reply.header("x-kvaffine-reason"), Some("load"));
-            assert_eq!(
-                reply.header("x-served-by"),
-                Some(fast.as_str()),
-                "conversation {i}: {:?}",
-                stack.endpoint(&slow).map(|e| e["prefill"].clone())
-            );
+            new_conversation_goes_to(&stack, &prompt(1, i), &fast, &format!("conversation {i}"));
             assert!(
                 ended.try_recv().is_err(),
                 "the slow replica's first prefill ended before conversation {i} was answered: \

@@ -17,33 +17,62 @@ pub struct Load {
     pub waiting: u32,
     /// `vllm:kv_cache_usage_perc`, a fraction 0-1.
     pub kv_cache_usage: f64,
-    /// Prefill work (uncached-token equivalents) routed to the replica and not yet done
+    /// Prefill work (computed-token equivalents) routed to the replica and not yet done
     /// by its estimated prefill speed: the queue a new request would wait behind.
     pub pending_prefill_tokens: u64,
 }
 
 /// How fast a replica prefills: what turns the work queued on it, and a request's own
-/// work, into the seconds a request waits there. The daemon learns it from each replica's
-/// metrics; replicas with the same speed rank exactly as if work were counted in tokens.
+/// work, into the seconds a request waits there. Work is counted in computed-token
+/// equivalents: a computed token is one, a cached one [`cached_token_cost`], and each
+/// computed token pays [`context_cost`] more per token of context it attends over. The
+/// daemon learns all four figures from each replica's metrics; replicas with the same
+/// figures rank exactly as if work were counted in tokens.
+///
+/// The context term is what real vLLM showed (`cargo xtask bench prefill-shape`, vLLM
+/// 0.32.0 on a CPU): 7,168 cold tokens took 14.7 times as long as 1,024, and 32 new tokens
+/// after 7,168 cached took 55 ms where a fixed share per cached token said 314. A GPU
+/// replica reading long cached contexts shows the per-cached-token cost instead (the
+/// emulator's calibration); the fit finds which.
+///
+/// [`cached_token_cost`]: Self::cached_token_cost
+/// [`context_cost`]: Self::context_cost
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillSpeed {
-    /// Uncached prompt tokens prefilled per second.
+    /// Computed prompt tokens prefilled per second.
     pub tokens_per_second: f64,
-    /// A request's fixed cost (scheduling, sampling setup), in uncached-token equivalents.
+    /// A request's fixed cost (scheduling, sampling setup), in computed-token equivalents.
     pub overhead_tokens: f64,
+    /// What a cached prompt token costs against a computed one (reading its KV).
+    pub cached_token_cost: f64,
+    /// What a computed token costs more, against its own cost, per token of context before
+    /// it (its attention over the prompt so far).
+    pub context_cost: f64,
 }
 
 impl PrefillSpeed {
     /// Assumed before anything is measured: about one GPT-OSS-20B GPU (the emulator's
-    /// calibration), a 40 ms fixed cost per request.
+    /// calibration), a 40 ms fixed cost per request, a cached token at a tenth of a
+    /// computed one.
     pub const DEFAULT: Self = Self {
         tokens_per_second: 5000.0,
         overhead_tokens: 200.0,
+        cached_token_cost: 0.1,
+        context_cost: 0.0,
     };
 
-    /// Seconds to prefill `tokens` uncached-token equivalents.
+    /// Seconds to prefill `tokens` computed-token equivalents.
     pub fn seconds(&self, tokens: f64) -> f64 {
         tokens / self.tokens_per_second
+    }
+
+    /// The work, in computed-token equivalents, of a prompt whose first `cached` tokens are
+    /// served from the cache and whose next `computed` are computed: each computed token
+    /// attends over the cached ones and, on average, half the computed ones.
+    pub fn work(&self, computed: f64, cached: f64) -> f64 {
+        computed
+            + self.cached_token_cost * cached
+            + self.context_cost * computed * (cached + computed / 2.0)
     }
 }
 
@@ -94,9 +123,6 @@ pub enum Demand {
 pub struct PickPolicy {
     /// Tokens per block (to turn matches into tokens).
     pub block_size: usize,
-    /// Prefill cost of a cached prompt token relative to an uncached one (vLLM still
-    /// attends over cached tokens; about 0.1 on the calibrated GPT-OSS-20B replica).
-    pub cached_token_cost: f64,
     /// A replica with this many more waiting requests than the least-waiting usable
     /// replica is saturated.
     pub max_waiting: u32,
@@ -119,7 +145,6 @@ impl Default for PickPolicy {
     fn default() -> Self {
         Self {
             block_size: 16,
-            cached_token_cost: 0.1,
             max_waiting: 8,
             max_pending_prefill_seconds: DEFAULT_MAX_PENDING_PREFILL_SECONDS,
             max_pending_prefill_tokens: None,
@@ -191,19 +216,26 @@ impl PickPolicy {
         };
         c.speed.seconds(
             queues * c.load.pending_prefill_tokens as f64
-                + own * self.prefill_work(request_blocks, c.matched_blocks)
+                + own * self.prefill_work(request_blocks, c.matched_blocks, &c.speed)
                 + c.speed.overhead_tokens,
         )
     }
 
-    /// The prefill, in uncached-token equivalents, of a request of `request_blocks` blocks
-    /// on a replica holding its first `matched_blocks`: the blocks it does not hold, and
-    /// the (cheaper) blocks it does. What a pick adds to its replica's queue, and what
-    /// ranking weighs.
-    pub fn prefill_work(&self, request_blocks: usize, matched_blocks: usize) -> f64 {
+    /// The prefill, in computed-token equivalents at `speed`'s [work](PrefillSpeed::work),
+    /// of a request of `request_blocks` blocks on a replica holding its first
+    /// `matched_blocks`. What a pick adds to its replica's queue, and what ranking weighs.
+    pub fn prefill_work(
+        &self,
+        request_blocks: usize,
+        matched_blocks: usize,
+        speed: &PrefillSpeed,
+    ) -> f64 {
         let matched = self.useful_match(matched_blocks).min(request_blocks);
         let block = self.block_size as f64;
-        (request_blocks - matched) as f64 * block + matched as f64 * block * self.cached_token_cost
+        speed.work(
+            (request_blocks - matched) as f64 * block,
+            matched as f64 * block,
+        )
     }
 
     /// Candidate indices, best first, and why the first is first, for a request of
@@ -500,6 +532,54 @@ mod tests {
                 "{queued}"
             );
         }
+    }
+
+    #[test]
+    fn work_charges_each_computed_token_for_the_context_before_it() {
+        let attention = PrefillSpeed {
+            cached_token_cost: 0.0,
+            context_cost: 0.001,
+            ..PrefillSpeed::DEFAULT
+        };
+        // 1,000 cold tokens attend over 500 on average: 1,000 x (1 + 0.5).
+        assert_eq!(attention.work(1000.0, 0.0), 1500.0);
+        // 10 new tokens after 1,000 cached attend over 1,005 each; the cached ones cost
+        // nothing of their own.
+        assert!((attention.work(10.0, 1000.0) - 20.05).abs() < 1e-9);
+        // The default is the linear model: a cached token at a tenth of a computed one.
+        assert_eq!(PrefillSpeed::DEFAULT.work(10.0, 1000.0), 110.0);
+    }
+
+    #[test]
+    fn a_replica_that_pays_for_context_keeps_a_conversation_against_a_longer_queue() {
+        let policy = PickPolicy::default();
+        let attention = PrefillSpeed {
+            cached_token_cost: 0.0,
+            context_cost: 0.0005,
+            ..PrefillSpeed::DEFAULT
+        };
+        // 99 of 100 blocks held. The linear default: 16 + 158.4 tokens of work warm against
+        // 1,600 cold, each counted twice, so a queue of 2,852 tokens sends the request
+        // away. With context: 28.7 warm against 2,240 cold, and it stays until 4,423.
+        let mut warm = c(99, 0);
+        let idle = c(0, 0);
+        warm.load.pending_prefill_tokens = 3_500;
+        assert_eq!(
+            policy.rank_top(100, &[warm, idle], 0, Demand::Own, 2),
+            (vec![1, 0], Reason::Saturated)
+        );
+        let (mut warm, mut idle) = (warm, idle);
+        warm.speed = attention;
+        idle.speed = attention;
+        assert_eq!(
+            policy.rank_top(100, &[warm, idle], 0, Demand::Own, 2),
+            (vec![0, 1], Reason::Prefix)
+        );
+        warm.load.pending_prefill_tokens = 4_500;
+        assert_eq!(
+            policy.rank_top(100, &[warm, idle], 0, Demand::Own, 2).0,
+            vec![1, 0]
+        );
     }
 
     #[test]

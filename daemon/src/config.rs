@@ -117,15 +117,17 @@ pub struct ServeArgs {
     /// (replaces --max-pending-prefill-seconds).
     #[arg(long)]
     pub max_pending_prefill_tokens: Option<u64>,
-    /// Prefill cost of a cached token relative to an uncached one, for the ranking.
-    #[arg(long, default_value_t = PickPolicy::default().cached_token_cost)]
-    pub cached_token_cost: f64,
+    /// Prefill cost of a cached token relative to a computed one on every replica, and no
+    /// cost of the context a computed token attends over: the linear model, instead of
+    /// what each replica's requests measure (a tenth until they tell it apart).
+    #[arg(long)]
+    pub cached_token_cost: Option<f64>,
     /// How fast every replica prefills, in tokens per second, instead of what each
     /// measures (its `vllm:request_prefill_time_seconds` against its
     /// `vllm:request_prefill_kv_computed_tokens`; 5,000 until anything is measured).
     #[arg(long)]
     pub prefill_tokens_per_second: Option<f64>,
-    /// A request's fixed prefill cost in uncached-token equivalents (scheduling, sampling
+    /// A request's fixed prefill cost in computed-token equivalents (scheduling, sampling
     /// setup) on every replica, instead of what each measures (200 until anything is
     /// measured).
     #[arg(long)]
@@ -315,7 +317,10 @@ impl ServeArgs {
         if self.max_pending_prefill_seconds.is_nan() || self.max_pending_prefill_seconds <= 0.0 {
             bail!("--max-pending-prefill-seconds must be positive");
         }
-        if !(0.0..=1.0).contains(&self.cached_token_cost) {
+        if self
+            .cached_token_cost
+            .is_some_and(|cost| !(0.0..=1.0).contains(&cost))
+        {
             bail!("--cached-token-cost must be between 0 and 1");
         }
         Ok(Settings {
@@ -323,7 +328,6 @@ impl ServeArgs {
             hash_seed: self.hash_seed.clone(),
             policy: PickPolicy {
                 block_size: self.block_size as usize,
-                cached_token_cost: self.cached_token_cost,
                 max_waiting: self.max_waiting,
                 max_pending_prefill_seconds: self.max_pending_prefill_seconds,
                 max_pending_prefill_tokens: self.max_pending_prefill_tokens,
@@ -341,6 +345,7 @@ impl ServeArgs {
             speed_flags: SpeedFlags {
                 tokens_per_second: self.prefill_tokens_per_second,
                 overhead_tokens: self.request_overhead_tokens.map(|t| t as f64),
+                cached_token_cost: self.cached_token_cost,
             },
             replay_timeout: Duration::from_millis(self.replay_timeout_ms),
         })

@@ -131,6 +131,10 @@ pub struct Metrics {
     pub prefill_tokens_per_second: Family<EndpointLabel, FloatGauge>,
     /// The fixed prefill cost per request it adds.
     pub prefill_overhead_seconds: Family<EndpointLabel, FloatGauge>,
+    /// What a cached prompt token costs there against a computed one.
+    pub prefill_cached_token_cost: Family<EndpointLabel, FloatGauge>,
+    /// What a computed token costs more there per token of context before it.
+    pub prefill_context_cost: Family<EndpointLabel, FloatGauge>,
 }
 
 /// A gauge of fractional values.
@@ -184,15 +188,27 @@ impl Default for Metrics {
         let replica_cache_hits = Family::<EndpointLabel, Counter>::default();
         let prefill_tokens_per_second = Family::<EndpointLabel, FloatGauge>::default();
         let prefill_overhead_seconds = Family::<EndpointLabel, FloatGauge>::default();
+        let prefill_cached_token_cost = Family::<EndpointLabel, FloatGauge>::default();
+        let prefill_context_cost = Family::<EndpointLabel, FloatGauge>::default();
         registry.register(
             "replica_prefill_tokens_per_second",
-            "Uncached prompt tokens per second the ranking assumes the replica prefills (measured from its own metrics unless --prefill-tokens-per-second is given)",
+            "Computed prompt tokens per second the ranking assumes the replica prefills (measured from its own metrics unless --prefill-tokens-per-second is given)",
             prefill_tokens_per_second.clone(),
         );
         registry.register(
             "replica_prefill_overhead_seconds",
             "Fixed prefill cost per request the ranking assumes for the replica (measured unless --request-overhead-tokens is given)",
             prefill_overhead_seconds.clone(),
+        );
+        registry.register(
+            "replica_prefill_cached_token_cost",
+            "Prefill cost of a cached prompt token against a computed one the ranking assumes for the replica (measured unless --cached-token-cost is given)",
+            prefill_cached_token_cost.clone(),
+        );
+        registry.register(
+            "replica_prefill_context_cost",
+            "Extra prefill cost of a computed token per token of context before it, against its own cost, the ranking assumes for the replica (measured; 0 with --cached-token-cost)",
+            prefill_context_cost.clone(),
         );
         registry.register(
             "outcome_predicted_cached_tokens",
@@ -376,6 +392,8 @@ impl Default for Metrics {
             replica_cache_hits,
             prefill_tokens_per_second,
             prefill_overhead_seconds,
+            prefill_cached_token_cost,
+            prefill_context_cost,
         }
     }
 }

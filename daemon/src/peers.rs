@@ -277,7 +277,9 @@ async fn fetch<T: serde::de::DeserializeOwned>(
 }
 
 /// Each replica's speed as a peer's `/v1/endpoints` shows it measured by the peer itself
-/// (`prefill.measured_tokens_per_second` and `measured_overhead_ms`), by `HOST:PORT`.
+/// (`prefill.measured_tokens_per_second` and `measured_overhead_ms`, and the costs of
+/// cached tokens and context where the peer shows them: a peer a release older does
+/// not, and its replicas take the default's), by `HOST:PORT`.
 fn measured_speeds(endpoints: &serde_json::Value) -> Vec<(String, PrefillSpeed)> {
     let Some(all) = endpoints["endpoints"].as_array() else {
         return Vec::new();
@@ -295,6 +297,13 @@ fn measured_speeds(endpoints: &serde_json::Value) -> Vec<(String, PrefillSpeed)>
         if !(rate.is_finite() && rate > 0.0 && overhead_ms.is_finite() && overhead_ms >= 0.0) {
             continue;
         }
+        let cost = |field: &str, default: f64| {
+            prefill[field]
+                .as_f64()
+                .filter(|cost| cost.is_finite() && *cost >= 0.0)
+                .unwrap_or(default)
+        };
+        let default = PrefillSpeed::DEFAULT;
         // A replica's data-parallel ranks share its figures: the first one shown.
         if speeds.iter().all(|(known, _)| known != endpoint) {
             speeds.push((
@@ -302,6 +311,11 @@ fn measured_speeds(endpoints: &serde_json::Value) -> Vec<(String, PrefillSpeed)>
                 PrefillSpeed {
                     tokens_per_second: rate,
                     overhead_tokens: overhead_ms / 1e3 * rate,
+                    cached_token_cost: cost(
+                        "measured_cached_token_cost",
+                        default.cached_token_cost,
+                    ),
+                    context_cost: cost("measured_context_cost", default.context_cost),
                 },
             ));
         }

@@ -181,7 +181,16 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                 }
                 status.load = Some(scrape.load);
                 if let Some(prefill) = scrape.prefill {
+                    let samples = status.speed.samples();
                     status.speed.observe(prefill, std::time::Instant::now());
+                    if status.speed.samples() > samples {
+                        tracing::debug!(
+                            endpoint = %endpoint.spec.endpoint,
+                            ?prefill,
+                            measured = ?status.speed.measured(),
+                            "prefill sample"
+                        );
+                    }
                 }
                 if let Some(hits) = scrape.prefix_cache_hits {
                     // From the first scrape on; a counter that went back is a restart.

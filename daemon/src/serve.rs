@@ -259,9 +259,7 @@ impl Fleet {
             slot,
             status: Mutex::new(EndpointStatus {
                 alignment: "unknown",
-                speed: crate::speed::SpeedLearner::new(
-                    self.daemon.settings.policy.cached_token_cost,
-                ),
+                speed: crate::speed::SpeedLearner::default(),
                 ..EndpointStatus::default()
             }),
             stop: AtomicBool::new(false),
@@ -340,6 +338,8 @@ impl Fleet {
         if !others {
             metrics.prefill_tokens_per_second.remove(&replica);
             metrics.prefill_overhead_seconds.remove(&replica);
+            metrics.prefill_cached_token_cost.remove(&replica);
+            metrics.prefill_context_cost.remove(&replica);
         }
         self.daemon.refresh_speeds(std::time::Instant::now());
     }

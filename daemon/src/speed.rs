@@ -7,8 +7,13 @@
 //! (`vllm:request_prompt_tokens`). Between two scrapes their `_count`, `_sum` deltas
 //! describe the same requests, so each scrape that saw requests finish is one sample: `n`
 //! requests, `k` computed tokens, `c` cached ones, `t` seconds. The model is the
-//! ranking's own, `t = n * overhead + (k + cached_token_cost * c) / tokens_per_second`,
-//! fitted by least squares over the samples, older samples weighing less. Nothing here is
+//! ranking's own ([`PrefillSpeed::work`]): `t = a n + b k + d c + e q`, where `q` is the
+//! computed tokens times the context they attend over (`k (c + k / 2)`, of the scrape's
+//! average request), fitted by least squares over the samples, older samples weighing
+//! less. Real vLLM on a CPU pays for context (`e`) and nothing per cached token; a GPU
+//! replica reading a long cached context pays per cached token (`d`); the fit finds which,
+//! and until a replica's requests have told the four apart it weighs a cached token at a
+//! tenth of a computed one, as kvaffined always had. Nothing here is
 //! set by hand: with no flag given, the ranking drains and weighs each replica's work at
 //! what it measured.
 //!
@@ -94,94 +99,282 @@ pub struct PrefillCounters {
     pub prompt_tokens: f64,
 }
 
-/// Weighted sums of the samples, the normal equations of the fit.
+/// What a sample is made of, in the order of the fit's coefficients: requests, computed
+/// tokens, cached tokens, and computed tokens times the context they attend over.
+const FEATURES: usize = 4;
+const REQUESTS: usize = 0;
+const COMPUTED: usize = 1;
+const CACHED: usize = 2;
+const CONTEXT: usize = 3;
+
+/// One scrape's features. A scrape sums its requests, so the context term takes each as
+/// the scrape's average request (exact for a scrape of one request, the usual case at
+/// half a second between scrapes; for several it mixes their shapes).
+fn features(n: f64, computed: f64, cached: f64) -> [f64; FEATURES] {
+    [
+        n,
+        computed,
+        cached,
+        computed * (cached + computed / 2.0) / n,
+    ]
+}
+
+/// A cached token's and a token of context's cost against a computed token's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Shape {
+    cached: f64,
+    context: f64,
+}
+
+impl Shape {
+    /// The linear model kvaffined assumes until a replica's requests tell otherwise.
+    const DEFAULT: Self = Self {
+        cached: PrefillSpeed::DEFAULT.cached_token_cost,
+        context: PrefillSpeed::DEFAULT.context_cost,
+    };
+
+    /// The work of a sample's features, in computed-token equivalents.
+    fn work(&self, x: &[f64; FEATURES]) -> f64 {
+        x[COMPUTED] + self.cached * x[CACHED] + self.context * x[CONTEXT]
+    }
+}
+
+/// A fit: seconds per request and per computed token, the shape, and what the samples told
+/// apart.
+#[derive(Clone, Copy, Debug)]
+struct Fit {
+    per_request: f64,
+    per_token: f64,
+    shape: Shape,
+    /// The fixed cost was told apart from the speed (requests of different sizes).
+    told_per_request: bool,
+    /// The shape was told apart too (requests of different sizes and contexts).
+    told_shape: bool,
+}
+
+/// Weighted sums of the samples: the normal equations of the fit.
 #[derive(Clone, Copy, Debug, Default)]
 struct Sums {
-    nn: f64,
-    nk: f64,
-    kk: f64,
-    nt: f64,
-    kt: f64,
-    n: f64,
-    k: f64,
+    xx: [[f64; FEATURES]; FEATURES],
+    xt: [f64; FEATURES],
+    x: [f64; FEATURES],
     t: f64,
+    tt: f64,
 }
 
 impl Sums {
-    fn decay_and_add(&mut self, n: f64, k: f64, t: f64) {
-        for sum in [
-            &mut self.nn,
-            &mut self.nk,
-            &mut self.kk,
-            &mut self.nt,
-            &mut self.kt,
-            &mut self.n,
-            &mut self.k,
-            &mut self.t,
-        ] {
-            *sum *= DECAY;
+    fn decay_and_add(&mut self, x: [f64; FEATURES], t: f64) {
+        for (i, xi) in x.iter().enumerate() {
+            for (j, xj) in x.iter().enumerate() {
+                self.xx[i][j] = self.xx[i][j] * DECAY + xi * xj;
+            }
+            self.xt[i] = self.xt[i] * DECAY + xi * t;
+            self.x[i] = self.x[i] * DECAY + xi;
         }
-        self.nn += n * n;
-        self.nk += n * k;
-        self.kk += k * k;
-        self.nt += n * t;
-        self.kt += k * t;
-        self.n += n;
-        self.k += k;
-        self.t += t;
+        self.t = self.t * DECAY + t;
+        self.tt = self.tt * DECAY + t * t;
     }
 
-    /// Seconds per request and per computed token, and whether the samples told the two
-    /// apart (requests of different sizes); None without enough evidence (`requests` and
-    /// `tokens` seen in all, not decayed). Samples that cannot tell them apart (requests of
-    /// one shape: a hot prompt's are all about the same size) keep `known_per_request`,
-    /// the last that could, and give the speed that leaves; with none known, the plain
-    /// ratio.
+    /// The fit, or None without enough evidence (`requests` and `tokens` seen in all, not
+    /// decayed). First every coefficient at once, a cost of cached tokens or of context
+    /// the samples put below zero left out (they cost nothing measurable); where the
+    /// samples cannot tell the four apart (requests of one shape: a hot prompt's are all
+    /// about the same), `known_shape` (the last that could, else the default) turns them
+    /// into one work figure, and the fit is of the fixed cost and the speed as before:
+    /// told apart by requests of different sizes, else `known_per_request` (the last that
+    /// could) and the speed that leaves, else the plain ratio.
     fn fit(
         &self,
         requests: f64,
         tokens: f64,
         known_per_request: Option<f64>,
-    ) -> Option<(f64, f64, bool)> {
-        if requests < MIN_REQUESTS || self.n <= 0.0 {
+        known_shape: Option<Shape>,
+    ) -> Option<Fit> {
+        let n = self.x[REQUESTS];
+        if requests < MIN_REQUESTS || n <= 0.0 {
             return None;
         }
+        let shape = known_shape.unwrap_or(Shape::DEFAULT);
         // Noise needs no token count to be told apart from work.
-        if self.t < INSTANT_SECONDS_PER_REQUEST * self.n {
-            return Some((0.0, 0.0, false));
+        if self.t < INSTANT_SECONDS_PER_REQUEST * n {
+            return Some(Fit {
+                per_request: 0.0,
+                per_token: 0.0,
+                shape,
+                told_per_request: false,
+                told_shape: false,
+            });
         }
         if tokens < MIN_COMPUTED_TOKENS {
             return None;
         }
-        let det = self.nn * self.kk - self.nk * self.nk;
-        if det > MIN_CONDITION * self.nn * self.kk {
-            let per_request = (self.kk * self.nt - self.nk * self.kt) / det;
-            let per_token = (self.nn * self.kt - self.nk * self.nt) / det;
+        if let Some(fit) = self.fit_shape(shape) {
+            return Some(fit);
+        }
+        // One work figure: w = k + cached x c + context x q.
+        let weights = [0.0, 1.0, shape.cached, shape.context];
+        let dot = |v: &[f64; FEATURES]| -> f64 { v.iter().zip(&weights).map(|(a, b)| a * b).sum() };
+        let nn = self.xx[REQUESTS][REQUESTS];
+        let nw = dot(&self.xx[REQUESTS]);
+        let ww: f64 = self
+            .xx
+            .iter()
+            .zip(&weights)
+            .map(|(row, w)| w * dot(row))
+            .sum();
+        let (nt, wt) = (self.xt[REQUESTS], dot(&self.xt));
+        let w = dot(&self.x);
+        let fit = |per_request, per_token, told_per_request| Fit {
+            per_request,
+            per_token,
+            shape,
+            told_per_request,
+            told_shape: false,
+        };
+        let det = nn * ww - nw * nw;
+        if det > MIN_CONDITION * nn * ww {
+            let per_request = (ww * nt - nw * wt) / det;
+            let per_token = (nn * wt - nw * nt) / det;
             if per_request >= 0.0 && per_token > 0.0 {
-                return Some((per_request, per_token, true));
+                return Some(fit(per_request, per_token, true));
             }
         }
         if let Some(per_request) = known_per_request {
-            let per_token = (self.t - per_request * self.n) / self.k;
+            let per_token = (self.t - per_request * n) / w;
             if per_token > 0.0 {
-                return Some((per_request, per_token, false));
+                return Some(fit(per_request, per_token, false));
             }
         }
-        Some((0.0, self.t / self.k, false))
+        Some(fit(0.0, self.t / w, false))
+    }
+
+    /// Every coefficient at once, when the samples tell them apart and none comes out
+    /// below zero; else, of the fits leaving out the cost of cached tokens or of context
+    /// (it then costs nothing), the one of the two that the samples tell apart, with no
+    /// coefficient below zero, that leaves the smaller squared error. A feature the samples
+    /// never showed (no cached token yet) keeps `known`'s figure.
+    fn fit_shape(&self, known: Shape) -> Option<Fit> {
+        let seen = |i: usize| self.xx[i][i] > 0.0;
+        if !(seen(REQUESTS) && seen(COMPUTED)) {
+            return None;
+        }
+        let fit = |active: &[usize]| -> Option<(Fit, f64)> {
+            let solved = solve(&self.xx, &self.xt, active)?;
+            if solved.iter().any(|c| *c < 0.0) {
+                return None;
+            }
+            let coefficient = |feature: usize| {
+                active
+                    .iter()
+                    .position(|&i| i == feature)
+                    .and_then(|at| solved.get(at).copied())
+            };
+            let (per_request, per_token) = (coefficient(REQUESTS)?, coefficient(COMPUTED)?);
+            if per_token <= 0.0 {
+                return None;
+            }
+            let relative = |feature, known| match coefficient(feature) {
+                Some(c) => c / per_token,
+                None if seen(feature) => 0.0,
+                None => known,
+            };
+            // The weighted squared error: tt - 2 b.xt + b.xx.b over the active features.
+            let error = self.tt
+                + active
+                    .iter()
+                    .zip(&solved)
+                    .map(|(&i, bi)| {
+                        let row: f64 = active
+                            .iter()
+                            .zip(&solved)
+                            .map(|(&j, bj)| self.xx[i][j] * bj)
+                            .sum();
+                        bi * (row - 2.0 * self.xt[i])
+                    })
+                    .sum::<f64>();
+            let fit = Fit {
+                per_request,
+                per_token,
+                shape: Shape {
+                    cached: relative(CACHED, known.cached),
+                    context: relative(CONTEXT, known.context),
+                },
+                told_per_request: true,
+                told_shape: true,
+            };
+            Some((fit, error))
+        };
+        let features = |leave_out: Option<usize>| -> Vec<usize> {
+            (0..FEATURES)
+                .filter(|&i| seen(i) && Some(i) != leave_out)
+                .collect()
+        };
+        if let Some((all, _)) = fit(&features(None)) {
+            return Some(all);
+        }
+        [CACHED, CONTEXT]
+            .into_iter()
+            .filter(|&i| seen(i))
+            .filter_map(|leave_out| fit(&features(Some(leave_out))))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(fit, _)| fit)
     }
 }
 
+/// Solves the normal equations restricted to the `active` features, by elimination on
+/// the matrix scaled to a unit diagonal; None if a pivot falls below [`MIN_CONDITION`]
+/// (the samples do not tell a feature apart from the ones before it: for two features,
+/// exactly the bound the fit of speed and fixed cost always had).
+fn solve(
+    xx: &[[f64; FEATURES]; FEATURES],
+    xt: &[f64; FEATURES],
+    active: &[usize],
+) -> Option<Vec<f64>> {
+    let m = active.len();
+    let scale: Vec<f64> = active.iter().map(|&i| xx[i][i].sqrt()).collect();
+    let mut a: Vec<Vec<f64>> = active
+        .iter()
+        .zip(&scale)
+        .map(|(&i, si)| {
+            let mut row: Vec<f64> = active
+                .iter()
+                .zip(&scale)
+                .map(|(&j, sj)| xx[i][j] / (si * sj))
+                .collect();
+            row.push(xt[i] / si);
+            row
+        })
+        .collect();
+    for p in 0..m {
+        let pivot_row = a[p].clone();
+        let pivot = pivot_row[p];
+        // NaN fails too.
+        if pivot.partial_cmp(&MIN_CONDITION) != Some(std::cmp::Ordering::Greater) {
+            return None;
+        }
+        for row in a.iter_mut().skip(p + 1) {
+            let factor = row[p] / pivot;
+            for (cell, above) in row.iter_mut().zip(&pivot_row).skip(p) {
+                *cell -= factor * above;
+            }
+        }
+    }
+    let mut scaled = vec![0.0; m];
+    for p in (0..m).rev() {
+        let rest: f64 = (p + 1..m).map(|c| a[p][c] * scaled[c]).sum();
+        scaled[p] = (a[p][m] - rest) / a[p][p];
+    }
+    Some(scaled.iter().zip(&scale).map(|(v, s)| v / s).collect())
+}
+
 /// What one replica's scrapes taught about its prefill.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct SpeedLearner {
-    /// What a cached prompt token costs against a computed one (the ranking's
-    /// `--cached-token-cost`), so the fit weighs work as the ranking does.
-    cached_token_cost: f64,
     last: Option<PrefillCounters>,
     sums: Sums,
     samples: u64,
-    /// Requests and weighted tokens seen in all: the evidence, which decay must not wear
-    /// below its threshold.
+    /// Requests and tokens (a cached one at the default's share) seen in all: the
+    /// evidence, which decay must not wear below its threshold.
     requests: f64,
     tokens: f64,
     /// The fixed cost per request of the last fit that told it apart from the speed.
@@ -190,6 +383,11 @@ pub struct SpeedLearner {
     /// 25,575 and 205 tokens, so each such pick counted 370 tokens of the 575 it costs and
     /// the ranking drained that replica's queue faster than the replica did.
     per_request: Option<f64>,
+    /// The shape of the last fit that told it apart, kept for the same reason, and kept
+    /// across gaps too: it is the model's and the hardware's, which a burst of one
+    /// prompt's requests cannot tell apart again (a replica's first few requests after a
+    /// quiet spell rarely can), and the next fit that can replaces it.
+    shape: Option<Shape>,
     /// When the last sample was taken.
     sampled_at: Option<Instant>,
     /// The figures from before the last gap of [`CURRENT_FOR`], until the samples since
@@ -199,30 +397,7 @@ pub struct SpeedLearner {
     timed: Option<(f64, Instant)>,
 }
 
-impl Default for SpeedLearner {
-    fn default() -> Self {
-        Self::new(kvaffine_core::PickPolicy::default().cached_token_cost)
-    }
-}
-
 impl SpeedLearner {
-    /// Learns nothing yet; counts a cached prompt token as `cached_token_cost` of a
-    /// computed one.
-    pub fn new(cached_token_cost: f64) -> Self {
-        Self {
-            cached_token_cost,
-            last: None,
-            sums: Sums::default(),
-            samples: 0,
-            requests: 0.0,
-            tokens: 0.0,
-            per_request: None,
-            sampled_at: None,
-            before_gap: None,
-            timed: None,
-        }
-    }
-
     /// Takes what the replica's events confirmed at `at`. True if the ranking's figure
     /// for it may have changed: its metrics have measured nothing yet.
     pub fn observe_confirmed(&mut self, confirmed: Confirmed, at: Instant) -> bool {
@@ -244,10 +419,13 @@ impl SpeedLearner {
         }
         let (tokens_per_second, at) = self.timed?;
         let default = PrefillSpeed::DEFAULT;
+        let shape = self.shape.unwrap_or(Shape::DEFAULT);
         (now.saturating_duration_since(at) < CURRENT_FOR).then(|| PrefillSpeed {
             tokens_per_second,
             overhead_tokens: default.overhead_tokens / default.tokens_per_second
                 * tokens_per_second,
+            cached_token_cost: shape.cached,
+            context_cost: shape.context,
         })
     }
 
@@ -276,7 +454,7 @@ impl SpeedLearner {
         if n <= 0.0 || t < 0.0 || k < 0.0 {
             return;
         }
-        let work = k + self.cached_token_cost * cached;
+        let x = features(n, k, cached);
         if self
             .sampled_at
             .is_some_and(|last| at.saturating_duration_since(last) >= CURRENT_FOR)
@@ -290,34 +468,40 @@ impl SpeedLearner {
             self.tokens = 0.0;
             self.per_request = None;
         }
-        let t = match self.expected_seconds(n, work) {
+        let t = match self.expected_seconds(&x) {
             Some(expected) if expected > 0.0 => t.clamp(
                 expected / MAX_SAMPLE_SURPRISE,
                 expected * MAX_SAMPLE_SURPRISE,
             ),
             _ => t,
         };
-        self.sums.decay_and_add(n, work, t);
+        self.sums.decay_and_add(x, t);
         self.samples += 1;
         self.sampled_at = Some(at);
         self.requests += n;
-        self.tokens += work;
-        if let Some((per_request, _, true)) =
-            self.sums.fit(self.requests, self.tokens, self.per_request)
-        {
-            self.per_request = Some(per_request);
+        self.tokens += k + Shape::DEFAULT.cached * cached;
+        if let Some(fit) = self.fit() {
+            if fit.told_per_request {
+                self.per_request = Some(fit.per_request);
+            }
+            if fit.told_shape {
+                self.shape = Some(fit.shape);
+            }
         }
         if self.fitted().is_some() {
             self.before_gap = None;
         }
     }
 
-    /// Seconds the fit so far expects `requests` requests of `work` tokens to take.
-    fn expected_seconds(&self, requests: f64, work: f64) -> Option<f64> {
-        let (per_request, per_token, _) =
-            self.sums
-                .fit(self.requests, self.tokens, self.per_request)?;
-        Some(requests * per_request + work * per_token)
+    fn fit(&self) -> Option<Fit> {
+        self.sums
+            .fit(self.requests, self.tokens, self.per_request, self.shape)
+    }
+
+    /// Seconds the fit so far expects a sample of features `x` to take.
+    fn expected_seconds(&self, x: &[f64; FEATURES]) -> Option<f64> {
+        let fit = self.fit()?;
+        Some(x[REQUESTS] * fit.per_request + fit.shape.work(x) * fit.per_token)
     }
 
     /// The replica's own speed, once there is enough evidence (since the last gap of
@@ -328,17 +512,25 @@ impl SpeedLearner {
 
     /// The fit of the samples since the last gap, once they are enough evidence.
     fn fitted(&self) -> Option<PrefillSpeed> {
-        let (per_request, per_token, _) =
-            self.sums
-                .fit(self.requests, self.tokens, self.per_request)?;
-        if !(per_request.is_finite() && per_token.is_finite()) {
+        let fit = self.fit()?;
+        let finite = [
+            fit.per_request,
+            fit.per_token,
+            fit.shape.cached,
+            fit.shape.context,
+        ]
+        .iter()
+        .all(|v| v.is_finite());
+        if !finite {
             return None;
         }
         let tokens_per_second =
-            (1.0 / per_token).clamp(MIN_TOKENS_PER_SECOND, MAX_TOKENS_PER_SECOND);
+            (1.0 / fit.per_token).clamp(MIN_TOKENS_PER_SECOND, MAX_TOKENS_PER_SECOND);
         Some(PrefillSpeed {
             tokens_per_second,
-            overhead_tokens: per_request * tokens_per_second,
+            overhead_tokens: fit.per_request * tokens_per_second,
+            cached_token_cost: fit.shape.cached,
+            context_cost: fit.shape.context,
         })
     }
 
@@ -386,7 +578,9 @@ pub enum SpeedSource {
     Events,
     /// Nothing measured anywhere: [`PrefillSpeed::DEFAULT`].
     Default,
-    /// `--prefill-tokens-per-second` (and `--request-overhead-tokens`) given.
+    /// `--prefill-tokens-per-second` and `--request-overhead-tokens` given (the costs of
+    /// cached tokens and context are still measured, unless `--cached-token-cost` is given
+    /// too).
     Flags,
 }
 
@@ -420,30 +614,43 @@ pub fn capped_by_overdue(tokens_per_second: f64, overdue: Overdue) -> Option<f64
 /// A replica's speed as the ranking uses it, as `/v1/endpoints` shows it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct SpeedView {
-    /// Uncached prompt tokens prefilled per second.
+    /// Computed prompt tokens prefilled per second.
     pub tokens_per_second: f64,
     /// A request's fixed prefill cost, in milliseconds.
     pub overhead_ms: f64,
+    /// What a cached prompt token costs against a computed one.
+    pub cached_token_cost: f64,
+    /// What a computed token costs more, against its own cost, per token of context before
+    /// it.
+    pub context_cost: f64,
     /// Where the figures come from.
     pub source: SpeedSource,
     /// What its own metrics measured, once they are enough to go by.
     pub measured_tokens_per_second: Option<f64>,
     /// The fixed cost they measured, in milliseconds.
     pub measured_overhead_ms: Option<f64>,
+    /// The cost of a cached token they measured (or assumed, until its requests told it
+    /// apart).
+    pub measured_cached_token_cost: Option<f64>,
+    /// The cost of context they measured (or assumed, as above).
+    pub measured_context_cost: Option<f64>,
     /// Scrapes that saw its requests finish.
     pub samples: u64,
 }
 
 impl Default for SpeedView {
     fn default() -> Self {
+        let default = PrefillSpeed::DEFAULT;
         Self {
-            tokens_per_second: PrefillSpeed::DEFAULT.tokens_per_second,
-            overhead_ms: PrefillSpeed::DEFAULT.overhead_tokens
-                / PrefillSpeed::DEFAULT.tokens_per_second
-                * 1e3,
+            tokens_per_second: default.tokens_per_second,
+            overhead_ms: default.overhead_tokens / default.tokens_per_second * 1e3,
+            cached_token_cost: default.cached_token_cost,
+            context_cost: default.context_cost,
             source: SpeedSource::Default,
             measured_tokens_per_second: None,
             measured_overhead_ms: None,
+            measured_cached_token_cost: None,
+            measured_context_cost: None,
             samples: 0,
         }
     }
@@ -455,6 +662,8 @@ impl SpeedView {
         PrefillSpeed {
             tokens_per_second: self.tokens_per_second,
             overhead_tokens: self.overhead_ms / 1e3 * self.tokens_per_second,
+            cached_token_cost: self.cached_token_cost,
+            context_cost: self.context_cost,
         }
     }
 }
@@ -466,6 +675,9 @@ pub struct SpeedFlags {
     pub tokens_per_second: Option<f64>,
     /// `--request-overhead-tokens`.
     pub overhead_tokens: Option<f64>,
+    /// `--cached-token-cost`: the linear model, a cached token at this share of a computed
+    /// one and no cost of context.
+    pub cached_token_cost: Option<f64>,
 }
 
 /// Replicas whose measured speed is within this fraction of the fleet's median are ranked
@@ -507,6 +719,8 @@ pub fn speeds(measured: &[Measurement], flags: SpeedFlags) -> Vec<SpeedView> {
         Some(PrefillSpeed {
             tokens_per_second: rate,
             overhead_tokens: overhead_seconds * rate,
+            cached_token_cost: median(known.iter().map(|s| s.cached_token_cost).collect())?,
+            context_cost: median(known.iter().map(|s| s.context_cost).collect())?,
         })
     });
     measured
@@ -539,14 +753,22 @@ pub fn speeds(measured: &[Measurement], flags: SpeedFlags) -> Vec<SpeedView> {
                     }
                     (None, _) => speed.overhead_tokens,
                 };
+                let (cached_token_cost, context_cost) = match flags.cached_token_cost {
+                    Some(cost) => (cost, 0.0),
+                    None => (speed.cached_token_cost, speed.context_cost),
+                };
                 let flagged = flags.tokens_per_second.is_some() && flags.overhead_tokens.is_some();
                 SpeedView {
                     tokens_per_second,
                     overhead_ms: overhead_tokens / tokens_per_second * 1e3,
+                    cached_token_cost,
+                    context_cost,
                     source: if flagged { SpeedSource::Flags } else { source },
                     measured_tokens_per_second: own.map(|s| s.tokens_per_second),
                     measured_overhead_ms: own
                         .map(|s| s.overhead_tokens / s.tokens_per_second * 1e3),
+                    measured_cached_token_cost: own.map(|s| s.cached_token_cost),
+                    measured_context_cost: own.map(|s| s.context_cost),
                     samples,
                 }
             },
@@ -666,7 +888,7 @@ mod tests {
         // 6,000-token continuations of which 5,800 are cached, beside 2,000-token cold
         // prompts, on a replica that prefills 10,000 tokens/s after 40 ms and attends over
         // a cached token at a tenth of the cost.
-        let mut learner = SpeedLearner::new(0.1);
+        let mut learner = SpeedLearner::default();
         let mut total = PrefillCounters::default();
         learner.observe(total, Instant::now());
         for (computed, prompt) in [
@@ -687,6 +909,109 @@ mod tests {
             "{speed:?}"
         );
         assert!((speed.overhead_tokens - 400.0).abs() < 1e-6, "{speed:?}");
+    }
+
+    /// Feeds one scrape per request of `(computed, cached)` tokens, each taking `seconds`
+    /// of them.
+    fn feed_shapes(
+        learner: &mut SpeedLearner,
+        requests: &[(f64, f64)],
+        seconds: impl Fn(f64, f64) -> f64,
+    ) {
+        let mut total = learner.last.unwrap_or_default();
+        learner.observe(total, Instant::now());
+        for &(computed, cached) in requests {
+            total.requests += 1.0;
+            total.computed_tokens += computed;
+            total.prompt_tokens += computed + cached;
+            total.seconds += seconds(computed, cached);
+            learner.observe(total, Instant::now());
+        }
+    }
+
+    /// Cold prompts and continuations of several sizes, as a chat fleet sends them.
+    const CHAT: [(f64, f64); 8] = [
+        (1024.0, 0.0),
+        (7168.0, 0.0),
+        (32.0, 7168.0),
+        (320.0, 1024.0),
+        (2560.0, 7168.0),
+        (4096.0, 0.0),
+        (128.0, 7168.0),
+        (1280.0, 1024.0),
+    ];
+
+    #[test]
+    fn a_replica_that_pays_for_context_is_learned_as_one() {
+        // The large benchmark model on real vLLM 0.32.0 (bench prefill-shape): 21.3 ms, then
+        // 0.174 ms per computed token and 87.86 ns per token of context it attends over.
+        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
+        let mut learner = SpeedLearner::default();
+        feed_shapes(&mut learner, &CHAT, |k, c| {
+            a + b * k + e * k * (c + k / 2.0)
+        });
+        let speed = learner.measured().unwrap();
+        assert!(
+            (speed.tokens_per_second * b - 1.0).abs() < 1e-6,
+            "{speed:?}"
+        );
+        assert!((speed.overhead_tokens - a / b).abs() < 1e-3, "{speed:?}");
+        assert!((speed.context_cost - e / b).abs() < 1e-9, "{speed:?}");
+        assert!(speed.cached_token_cost.abs() < 1e-6, "{speed:?}");
+        // A hot prompt's requests, all of one shape, keep that shape.
+        feed_shapes(&mut learner, &[(128.0, 7168.0); 100], |k, c| {
+            a + b * k + e * k * (c + k / 2.0)
+        });
+        let kept = learner.measured().unwrap();
+        assert!(
+            (kept.context_cost / speed.context_cost - 1.0).abs() < 1e-3,
+            "{kept:?}"
+        );
+        assert!((kept.tokens_per_second / speed.tokens_per_second - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn the_shape_outlasts_a_quiet_spell() {
+        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
+        let cost = |k: f64, c: f64| a + b * k + e * k * (c + k / 2.0);
+        let mut learner = SpeedLearner::default();
+        feed_shapes(&mut learner, &CHAT, cost);
+        let learned = learner.measured().unwrap().context_cost;
+        // After a quiet spell, requests of one shape: the rest is fitted afresh, the shape
+        // stays.
+        let later = Instant::now() + CURRENT_FOR * 2;
+        let mut total = learner.last.unwrap();
+        for _ in 0..4 {
+            total.requests += 1.0;
+            total.computed_tokens += 128.0;
+            total.prompt_tokens += 128.0 + 7168.0;
+            total.seconds += cost(128.0, 7168.0);
+            learner.observe(total, later);
+        }
+        assert!(learner.is_current(later));
+        let after = learner.measured().unwrap();
+        assert_eq!(after.context_cost, learned, "{after:?}");
+    }
+
+    #[test]
+    fn a_replica_that_pays_per_cached_token_is_learned_as_one() {
+        // The emulator's calibration to a GPT-OSS-20B GPU: 40 ms, 0.1955 ms per computed and
+        // 0.0186 ms per cached token, nothing for context. Its scheduler rounds to a
+        // microsecond.
+        let mut learner = SpeedLearner::default();
+        feed_shapes(&mut learner, &CHAT, |k, c| {
+            ((0.040 + 0.1955e-3 * k + 0.0186e-3 * c) * 1e6).round() / 1e6
+        });
+        let speed = learner.measured().unwrap();
+        assert!(
+            (speed.tokens_per_second / 5115.1 - 1.0).abs() < 1e-3,
+            "{speed:?}"
+        );
+        assert!(
+            (speed.cached_token_cost / 0.09514 - 1.0).abs() < 1e-2,
+            "{speed:?}"
+        );
+        assert!(speed.context_cost < 1e-8, "{speed:?}");
     }
 
     #[test]
@@ -836,6 +1161,7 @@ mod tests {
         let speed = |tokens_per_second: f64, overhead_ms: f64| PrefillSpeed {
             tokens_per_second,
             overhead_tokens: overhead_ms / 1e3 * tokens_per_second,
+            ..PrefillSpeed::DEFAULT
         };
         let (fast, slow) = (speed(20_000.0, 20.0), speed(10_000.0, 40.0));
         let views = speeds(
@@ -867,8 +1193,20 @@ mod tests {
         assert_eq!(views[0].speed(), PrefillSpeed::DEFAULT);
         let flags = SpeedFlags {
             tokens_per_second: Some(40_000.0),
-            overhead_tokens: None,
+            ..SpeedFlags::default()
         };
+        let attending = PrefillSpeed {
+            cached_token_cost: 0.0,
+            context_cost: 5e-4,
+            ..fast
+        };
+        let linear = SpeedFlags {
+            cached_token_cost: Some(0.2),
+            ..SpeedFlags::default()
+        };
+        let view = speeds(&[current(Some(attending), 9)], linear)[0];
+        assert_eq!((view.cached_token_cost, view.context_cost), (0.2, 0.0));
+        assert_eq!(view.measured_context_cost, Some(5e-4));
         let views = speeds(&[current(Some(fast), 9)], flags);
         assert_eq!(views[0].tokens_per_second, 40_000.0);
         assert_eq!(views[0].measured_tokens_per_second, Some(20_000.0));
@@ -879,6 +1217,7 @@ mod tests {
         let flags = SpeedFlags {
             tokens_per_second: Some(40_000.0),
             overhead_tokens: Some(200.0),
+            ..SpeedFlags::default()
         };
         assert_eq!(
             speeds(&[current(Some(fast), 9)], flags)[0].source,
@@ -891,6 +1230,7 @@ mod tests {
         let speed = |tokens_per_second: f64| PrefillSpeed {
             tokens_per_second,
             overhead_tokens: 0.0,
+            ..PrefillSpeed::DEFAULT
         };
         let views = speeds(
             &[
@@ -942,6 +1282,7 @@ mod tests {
         let speed = |tokens_per_second: f64| PrefillSpeed {
             tokens_per_second,
             overhead_tokens: 0.0,
+            ..PrefillSpeed::DEFAULT
         };
         let (slow, fast) = (speed(1366.0), speed(1900.0));
         let stale = Measurement {

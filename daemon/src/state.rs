@@ -613,6 +613,14 @@ impl Daemon {
                 .prefill_overhead_seconds
                 .get_or_create(&label)
                 .set(view.overhead_ms / 1e3);
+            self.metrics
+                .prefill_cached_token_cost
+                .get_or_create(&label)
+                .set(view.cached_token_cost);
+            self.metrics
+                .prefill_context_cost
+                .get_or_create(&label)
+                .set(view.context_cost);
         }
         if cap_may_fall {
             // The cap falls as the wait goes on, with no scrape or event to say so: the
@@ -756,6 +764,8 @@ impl Daemon {
                             policy.saturated(c, least_waiting),
                             c.speed.tokens_per_second.round(),
                             c.speed.overhead_tokens.round(),
+                            c.speed.cached_token_cost,
+                            c.speed.context_cost,
                         )
                     })
                 };
@@ -764,7 +774,7 @@ impl Daemon {
                     longest = name(longest),
                     ?demand,
                     "(matched blocks, waiting, pending prefill tokens, cost ms, saturated, \
-                     tokens per second, overhead tokens): \
+                     tokens per second, overhead tokens, cached token cost, context cost): \
                      chosen {:?}, longest match {:?}",
                     figures(first),
                     figures(longest),
@@ -990,11 +1000,11 @@ impl Daemon {
         let replica = ranking.replicas.get(*ranking.order.first()?)?;
         let (record, slot) = (&replica.record, replica.best_slot);
         let endpoint = ranking.name(replica);
-        let work = self
-            .settings
-            .policy
-            .prefill_work(request.query.len(), record.matched_blocks as usize)
-            + replica.speed.overhead_tokens;
+        let work = self.settings.policy.prefill_work(
+            request.query.len(),
+            record.matched_blocks as usize,
+            &replica.speed,
+        ) + replica.speed.overhead_tokens;
         let ttl = booking
             .ttl_ms
             .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);
@@ -1344,11 +1354,11 @@ impl Daemon {
         } else {
             0
         };
-        let work = self
-            .settings
-            .policy
-            .prefill_work(self.probe_blocks(probe), matched)
-            + replica.speed.overhead_tokens;
+        let work =
+            self.settings
+                .policy
+                .prefill_work(self.probe_blocks(probe), matched, &replica.speed)
+                + replica.speed.overhead_tokens;
         let ttl = booking
             .ttl_ms
             .map_or(self.settings.booking_ttl, std::time::Duration::from_millis);

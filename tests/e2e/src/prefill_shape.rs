@@ -5,12 +5,14 @@
 //! grows with the context it attends over, which that model cannot express. This measures
 //! by how much, so the model can be judged against the engine instead of the emulator.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde_json::json;
 
+use crate::Stack;
 use crate::vllm::{SERVED_MODEL, VllmProcess, VllmSpec};
+use kvaffine_core::PrefillSpeed;
 use vllm_emu::rng::XorShift64;
 
 /// Cold prompts, in tokens.
@@ -159,14 +161,42 @@ fn prefill(replica: &VllmProcess, prompt: &[u64]) -> anyhow::Result<(u64, f64)> 
     Ok((cached, seconds - seconds_before))
 }
 
-/// The median prefill of [`REPEATS`] prompts of `prefix` (cached already, or empty) and
-/// `new` more tokens; fails unless vLLM served exactly the prefix from its cache.
-fn row(replica: &VllmProcess, prefix: &[u64], new: usize, seed: u64) -> anyhow::Result<Sample> {
+/// The prompts to measure: cold ones, and new tokens after each cached prefix.
+#[derive(Clone, Copy, Debug)]
+pub struct Shapes<'a> {
+    /// Cold prompts, in tokens.
+    pub cold: &'a [usize],
+    /// Cached prefixes, in tokens.
+    pub cached: &'a [usize],
+    /// New tokens sent after each cached prefix.
+    pub new: &'a [usize],
+    /// Requests per row; the row is their median.
+    pub repeats: u64,
+}
+
+/// The page's shapes.
+const PAGE: Shapes<'static> = Shapes {
+    cold: &COLD,
+    cached: &CACHED,
+    new: &NEW,
+    repeats: REPEATS,
+};
+
+/// The median prefill of `repeats` prompts of `prefix` (cached already, or empty) and `new`
+/// more tokens; fails unless vLLM served exactly the prefix from its cache. `after` runs
+/// after each request.
+fn row(
+    replica: &VllmProcess,
+    (prefix, new, repeats): (&[u64], usize, u64),
+    seed: u64,
+    after: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Sample> {
     let mut seconds = Vec::new();
-    for repeat in 0..REPEATS {
+    for repeat in 0..repeats {
         let mut prompt = prefix.to_vec();
         prompt.extend(ids(seed * 16 + repeat, new));
         let (cached, took) = prefill(replica, &prompt)?;
+        after()?;
         anyhow::ensure!(
             cached == prefix.len() as u64,
             "vLLM served {cached} tokens from cache, not the {}-token prefix",
@@ -182,9 +212,75 @@ fn row(replica: &VllmProcess, prefix: &[u64], new: usize, seed: u64) -> anyhow::
     })
 }
 
-/// One replica of the model in `dir` (the vLLM home's models), measured row by row,
-/// one request at a time.
-pub fn measure(dir: &str) -> anyhow::Result<Vec<Sample>> {
+/// Measures `shapes` on `replica`, one request at a time, row by row; `after` runs after
+/// each request (and after each prefix is cached), so a caller can wait for kvaffined to
+/// have scraped it. `seed` keeps different callers' prompts apart.
+pub fn measure_on(
+    replica: &VllmProcess,
+    shapes: Shapes,
+    seed: u64,
+    after: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<Sample>> {
+    let mut samples = Vec::new();
+    for (i, &n) in shapes.cold.iter().enumerate() {
+        let at = seed + 100 + i as u64;
+        samples.push(row(replica, (&[], n, shapes.repeats), at, after)?);
+    }
+    for (i, &cached) in shapes.cached.iter().enumerate() {
+        let prefix = ids(seed + 200 + i as u64, cached);
+        prefill(replica, &prefix)?;
+        after()?;
+        for (j, &new) in shapes.new.iter().enumerate() {
+            let at = seed + 300 + (i * shapes.new.len() + j) as u64;
+            samples.push(row(replica, (&prefix, new, shapes.repeats), at, after)?);
+        }
+    }
+    Ok(samples)
+}
+
+/// Waits, after each request, until kvaffined has scraped `endpoint` once more since the
+/// last call: each of its samples is then one request, exactly.
+pub fn scraped_by<'a>(
+    stack: &'a Stack,
+    endpoint: &'a str,
+) -> impl FnMut() -> anyhow::Result<()> + 'a {
+    let samples = move || {
+        stack
+            .endpoint(endpoint)
+            .and_then(|e| e["prefill"]["samples"].as_u64())
+    };
+    let mut seen = samples().unwrap_or(0);
+    move || {
+        crate::poll(
+            "kvaffined to scrape the request",
+            Duration::from_secs(10),
+            || samples().is_some_and(|now| now > seen),
+        )?;
+        seen = samples().unwrap_or(seen);
+        Ok(())
+    }
+}
+
+/// What kvaffined measured of a replica, from its `/v1/endpoints` entry's `prefill`.
+pub fn measured_speed(prefill: &serde_json::Value) -> anyhow::Result<PrefillSpeed> {
+    let figure = |field: &str| {
+        prefill[field]
+            .as_f64()
+            .with_context(|| format!("no {field}: {prefill}"))
+    };
+    let tokens_per_second = figure("measured_tokens_per_second")?;
+    Ok(PrefillSpeed {
+        tokens_per_second,
+        overhead_tokens: figure("measured_overhead_ms")? / 1e3 * tokens_per_second,
+        cached_token_cost: figure("measured_cached_token_cost")?,
+        context_cost: figure("measured_context_cost")?,
+    })
+}
+
+/// One replica of the model in `dir` (the vLLM home's models) behind a kvaffined, measured
+/// row by row, one request at a time, each scraped by kvaffined before the next: the rows,
+/// and what kvaffined learned from them.
+pub fn measure(dir: &str) -> anyhow::Result<(Vec<Sample>, PrefillSpeed)> {
     let spec = VllmSpec {
         model: dir.to_owned(),
         max_model_len: 16_384,
@@ -196,47 +292,46 @@ pub fn measure(dir: &str) -> anyhow::Result<Vec<Sample>> {
     for warm in 0..3 {
         prefill(replica, &ids(1 + warm, 512))?;
     }
+    let stack = crate::vllm::front(&replicas, crate::StackConfig::default())?;
+    stack.wait_scraped()?;
     let started = Instant::now();
-    let mut samples = Vec::new();
-    for (i, &n) in COLD.iter().enumerate() {
-        samples.push(row(replica, &[], n, 100 + i as u64)?);
-    }
-    for (i, &cached) in CACHED.iter().enumerate() {
-        let prefix = ids(200 + i as u64, cached);
-        prefill(replica, &prefix)?;
-        for (j, &new) in NEW.iter().enumerate() {
-            samples.push(row(
-                replica,
-                &prefix,
-                new,
-                300 + (i * NEW.len() + j) as u64,
-            )?);
-        }
-    }
+    let samples = measure_on(replica, PAGE, 0, &mut scraped_by(&stack, &replica.http))?;
     eprintln!(
         "prefill shape: {dir} measured in {:.0} s",
         started.elapsed().as_secs_f64()
     );
-    Ok(samples)
+    let entry = stack
+        .endpoint(&replica.http)
+        .context("the replica is not in kvaffined's /v1/endpoints")?;
+    Ok((samples, measured_speed(&entry["prefill"])?))
 }
 
 /// The page's table for one model: each row measured, and what each model fitted to all
 /// rows predicts for it.
-pub fn table(model: &str, samples: &[Sample], cached_token_cost: f64) -> anyhow::Result<String> {
+pub fn table(
+    model: &str,
+    samples: &[Sample],
+    cached_token_cost: f64,
+    learned: &PrefillSpeed,
+) -> anyhow::Result<String> {
     let (overhead, speed, fell_back) =
         linear_fit(samples, cached_token_cost).context("the linear model does not fit")?;
     let [a, b, e] = attention_fit(samples).context("the attention model does not fit")?;
     let linear = |s: &Sample| overhead + (s.computed + cached_token_cost * s.cached) / speed;
     let attention =
         |s: &Sample| a + b * s.computed + e * s.computed * (s.cached + s.computed / 2.0);
+    let by_kvaffined =
+        |s: &Sample| learned.seconds(learned.overhead_tokens + learned.work(s.computed, s.cached));
     let error = |predicted: f64, s: &Sample| (predicted / s.seconds - 1.0) * 100.0;
     let mut out = format!(
-        "**{model}**: kvaffined's model over every row: {:.0} tokens/s after {:.1} ms{}, \
+        "**{model}**: the linear model over every row: {:.0} tokens/s after {:.1} ms{}, \
          a cached token at {cached_token_cost} of a computed one. The attention model: \
          {:.1} ms, then {:.3} ms per computed token plus {:.2} ns per token of context it \
-         attends over.\n\n\
-         | cached tokens | computed tokens | vLLM's prefill | kvaffined's model | error | attention model | error |\n\
-         |---|---|---|---|---|---|---|\n",
+         attends over. kvaffined learned {:.0} tokens/s after {:.1} ms, a cached token at \
+         {:.3} of a computed one, and {:.2} ns per token of context (a computed token's \
+         cost times {:.2e} per token).\n\n\
+         | cached tokens | computed tokens | vLLM's prefill | linear model | error | attention model | error | kvaffined learned | error |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
         speed,
         overhead * 1e3,
         if fell_back {
@@ -247,10 +342,15 @@ pub fn table(model: &str, samples: &[Sample], cached_token_cost: f64) -> anyhow:
         a * 1e3,
         b * 1e3,
         e * 1e9,
+        learned.tokens_per_second,
+        learned.seconds(learned.overhead_tokens) * 1e3,
+        learned.cached_token_cost,
+        learned.seconds(learned.context_cost) * 1e9,
+        learned.context_cost,
     );
     for s in samples {
         out.push_str(&format!(
-            "| {:.0} | {:.0} | {:.1} ms | {:.1} ms | {:+.0}% | {:.1} ms | {:+.0}% |\n",
+            "| {:.0} | {:.0} | {:.1} ms | {:.1} ms | {:+.0}% | {:.1} ms | {:+.0}% | {:.1} ms | {:+.0}% |\n",
             s.cached,
             s.computed,
             s.seconds * 1e3,
@@ -258,6 +358,8 @@ pub fn table(model: &str, samples: &[Sample], cached_token_cost: f64) -> anyhow:
             error(linear(s), s),
             attention(s) * 1e3,
             error(attention(s), s),
+            by_kvaffined(s) * 1e3,
+            error(by_kvaffined(s), s),
         ));
     }
     Ok(out)

@@ -122,7 +122,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     // (name, pair, check, in the routing subset that older versions run in CI)
-    let checks: [(&str, Pair, Check, bool); 27] = [
+    let checks: [(&str, Pair, Check, bool); 28] = [
         (
             "events_and_replay_are_read_in_their_layout",
             Pair::Cbor,
@@ -145,6 +145,12 @@ fn main() -> std::process::ExitCode {
             "sequential_continuations_return_warm_at_measured_speeds",
             Pair::Cbor,
             sequential_continuations,
+            true,
+        ),
+        (
+            "kvaffined_learns_what_context_costs_the_replica",
+            Pair::Cbor,
+            learned_prefill_costs,
             true,
         ),
         (
@@ -740,9 +746,8 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
         let prefill = &endpoint["prefill"];
         let name = endpoint["endpoint"].as_str().unwrap_or_default();
         eprintln!("{name}: {prefill}");
-        ensure(prefill["measured_tokens_per_second"].is_number(), || {
-            format!("{name} has no measured speed: {prefill}")
-        })?;
+        let speed = kvaffine_e2e::prefill_shape::measured_speed(prefill)
+            .with_context(|| format!("{name} has no measured speed"))?;
         // A cold turn 1 through the gateway is its prefill, plus tokenizing, four decode
         // steps and HTTP: the replica's measured speed must put the prefill within its own
         // cold turns, and not far below them. A replica that served only a round or two
@@ -757,13 +762,11 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
             eprintln!("{name}: served {} cold turns, not compared", own.len());
             continue;
         }
-        let measured = prefill["measured_tokens_per_second"]
-            .as_f64()
-            .unwrap_or(0.0);
-        let overhead = prefill["measured_overhead_ms"].as_f64().unwrap_or(0.0) / 1e3;
         let mut predicted: Vec<f64> = own
             .iter()
-            .map(|(_, tokens)| overhead + *tokens as f64 / measured.max(1.0))
+            .map(|(_, tokens)| {
+                speed.seconds(speed.overhead_tokens + speed.work(*tokens as f64, 0.0))
+            })
             .collect();
         let mut took: Vec<f64> = own.iter().map(|(seconds, _)| *seconds).collect();
         predicted.sort_by(f64::total_cmp);
@@ -784,6 +787,80 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
         format!("no replica served three cold turns of {rounds}")
     })?;
     Ok(())
+}
+
+/// kvaffined learns what a prompt costs the replica from the replica's own metrics: on a
+/// CPU a computed token costs more the more context it attends over, and a cached token
+/// costs nothing of its own, which a fixed share per cached token cannot express
+/// (`cargo xtask bench prefill-shape`). Prompts of several lengths, cold and after cached
+/// prefixes, go straight to one replica one at a time, each scraped by kvaffined before
+/// the next; its learned figures must then price vLLM's own prefill times (its
+/// `vllm:request_prefill_time_seconds`) better than the linear model fitted to the same
+/// requests after the fact.
+fn learned_prefill_costs(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    use kvaffine_e2e::prefill_shape::{Shapes, linear_fit, measure_on, measured_speed, scraped_by};
+    let stack = stack(replicas)?;
+    stack.wait_scraped()?;
+    let replica = replicas.first().context("no replica")?;
+    let shapes = Shapes {
+        cold: &[512, 1024, 2048, 4096],
+        cached: &[1024, 4096],
+        new: &[32, 320, 1280],
+        repeats: 1,
+    };
+    let rows = measure_on(
+        replica,
+        shapes,
+        7_000,
+        &mut scraped_by(&stack, &replica.http),
+    )?;
+    let learned = stack
+        .endpoint(&replica.http)
+        .context("the replica is not in /v1/endpoints")?["prefill"]
+        .clone();
+    let speed = measured_speed(&learned)?;
+    let linear = kvaffine_core::PrefillSpeed::DEFAULT.cached_token_cost;
+    let (overhead, rate, _) = linear_fit(&rows, linear).context("no linear fit")?;
+    let error = |predicted: f64, took: f64| (predicted / took - 1.0).abs();
+    let mut errors: Vec<(f64, f64)> = Vec::new();
+    for row in &rows {
+        let by_kvaffined =
+            speed.seconds(speed.overhead_tokens + speed.work(row.computed, row.cached));
+        let by_linear = overhead + (row.computed + linear * row.cached) / rate;
+        eprintln!(
+            "{} cached, {} computed: vLLM {:.1} ms, kvaffined {:.1} ms, linear {:.1} ms",
+            row.cached,
+            row.computed,
+            row.seconds * 1e3,
+            by_kvaffined * 1e3,
+            by_linear * 1e3
+        );
+        errors.push((
+            error(by_kvaffined, row.seconds),
+            error(by_linear, row.seconds),
+        ));
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let learned_error = median(errors.iter().map(|e| e.0).collect());
+    let linear_error = median(errors.iter().map(|e| e.1).collect());
+    eprintln!(
+        "learned {speed:?}: median error {:.0}%, the linear model's {:.0}%",
+        learned_error * 1e2,
+        linear_error * 1e2
+    );
+    ensure(speed.context_cost > 0.0, || {
+        format!("kvaffined learned no cost of context: {learned}")
+    })?;
+    ensure(learned_error < linear_error && learned_error < 0.25, || {
+        format!(
+            "kvaffined's figures price vLLM's prefills {:.0}% off (median), the linear model fitted after the fact {:.0}%: {learned}",
+            learned_error * 1e2,
+            linear_error * 1e2
+        )
+    })
 }
 
 /// A salt no replica holds (vLLM publishes each first block's salt in its events) is

@@ -1929,13 +1929,16 @@ fn words(seed: usize, n: usize) -> String {
 /// same rows predict (see `kvaffine_e2e::prefill_shape`).
 fn prefill_shape() -> anyhow::Result<()> {
     use kvaffine_e2e::prefill_shape::{measure, table};
-    let cached_token_cost = kvaffine_core::PickPolicy::default().cached_token_cost;
+    let cached_token_cost = kvaffine_core::PrefillSpeed::DEFAULT.cached_token_cost;
     for (model, described) in [
         (BenchModel::Bench, "the benchmark model (4 layers)"),
         (BenchModel::Large, "the large benchmark model (8 layers)"),
     ] {
-        let samples = measure(model.dir())?;
-        println!("{}", table(described, &samples, cached_token_cost)?);
+        let (samples, learned) = measure(model.dir())?;
+        println!(
+            "{}",
+            table(described, &samples, cached_token_cost, &learned)?
+        );
     }
     Ok(())
 }

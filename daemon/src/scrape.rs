@@ -179,10 +179,17 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                 if status.scrape_error.take().is_some() {
                     tracing::info!(endpoint = %endpoint.spec.endpoint, "metrics and health reachable again");
                 }
+                // A request that finished between two scrapes finding at most itself, then
+                // nothing, running or waiting ran alone.
+                let busy = |load: &crate::state::ScrapedLoad| load.running + load.waiting;
+                let quiet =
+                    status.load.is_some_and(|before| busy(&before) <= 1) && busy(&scrape.load) == 0;
                 status.load = Some(scrape.load);
                 if let Some(prefill) = scrape.prefill {
                     let samples = status.speed.samples();
-                    status.speed.observe(prefill, std::time::Instant::now());
+                    status
+                        .speed
+                        .observe(prefill, std::time::Instant::now(), quiet);
                     if status.speed.samples() > samples {
                         tracing::debug!(
                             endpoint = %endpoint.spec.endpoint,

@@ -45,6 +45,21 @@ const DECAY: f64 = 0.95;
 const MIN_REQUESTS: f64 = 2.0;
 const MIN_COMPUTED_TOKENS: f64 = 2048.0;
 
+/// Samples of requests that ran alone needed before they teach the shape: four figures
+/// fitted to fewer than six requests would follow their noise.
+const MIN_ALONE_SAMPLES: u64 = 6;
+
+/// Once requests that ran alone have been fitted, a sample that seems to have run alone
+/// but took more than this many times what the fit says was not alone (requests alone came
+/// within 10% of it on rows of 100 ms or more, `bench prefill-shape`; a faster one is
+/// always taken, a slower small one may be lost): vLLM records a
+/// request's prefill time when it finishes, so one that finished after the others of a
+/// burst passes the scrapes' test of quiet with a prefill it shared. On real vLLM's hot
+/// system prompt such samples moved the learned context cost from 5.5e-4 (the requests of
+/// the warm-up, each alone) to 3.0e-3 within a run (the daemon's debug log, 2026-12-07
+/// 19:06 UTC).
+const MAX_ALONE_SURPRISE: f64 = 1.25;
+
 /// A busy period must be this long before its events time the replica: shorter, the
 /// hops between the pick, the replica and its event (a millisecond or two on one host)
 /// are most of it. The work must be [`MIN_COMPUTED_TOKENS`] too.
@@ -139,8 +154,8 @@ impl Shape {
     }
 }
 
-/// A fit: seconds per request and per computed token, the shape, and what the samples told
-/// apart.
+/// A fit: seconds per request and per computed token at a shape, and whether the samples
+/// told the two apart.
 #[derive(Clone, Copy, Debug)]
 struct Fit {
     per_request: f64,
@@ -148,8 +163,22 @@ struct Fit {
     shape: Shape,
     /// The fixed cost was told apart from the speed (requests of different sizes).
     told_per_request: bool,
-    /// The shape was told apart too (requests of different sizes and contexts).
-    told_shape: bool,
+}
+
+/// What requests that ran alone told apart: the shape, and their seconds per request and
+/// per computed token.
+#[derive(Clone, Copy, Debug)]
+struct Alone {
+    shape: Shape,
+    per_request: f64,
+    per_token: f64,
+}
+
+impl Alone {
+    /// Seconds a sample of features `x` takes by this fit.
+    fn seconds(&self, x: &[f64; FEATURES]) -> f64 {
+        x[REQUESTS] * self.per_request + self.per_token * self.shape.work(x)
+    }
 }
 
 /// Weighted sums of the samples: the normal equations of the fit.
@@ -176,13 +205,10 @@ impl Sums {
     }
 
     /// The fit, or None without enough evidence (`requests` and `tokens` seen in all, not
-    /// decayed). First every coefficient at once, a cost of cached tokens or of context
-    /// the samples put below zero left out (they cost nothing measurable); where the
-    /// samples cannot tell the four apart (requests of one shape: a hot prompt's are all
-    /// about the same), `known_shape` (the last that could, else the default) turns them
-    /// into one work figure, and the fit is of the fixed cost and the speed as before:
-    /// told apart by requests of different sizes, else `known_per_request` (the last that
-    /// could) and the speed that leaves, else the plain ratio.
+    /// decayed). `known_shape` (learned from requests that ran alone, else the default)
+    /// turns each sample into one work figure, and the fit is of the fixed cost and the
+    /// speed: told apart by requests of different sizes, else `known_per_request` (the
+    /// last that could) and the speed that leaves, else the plain ratio.
     fn fit(
         &self,
         requests: f64,
@@ -202,14 +228,10 @@ impl Sums {
                 per_token: 0.0,
                 shape,
                 told_per_request: false,
-                told_shape: false,
             });
         }
         if tokens < MIN_COMPUTED_TOKENS {
             return None;
-        }
-        if let Some(fit) = self.fit_shape(shape) {
-            return Some(fit);
         }
         // One work figure: w = k + cached x c + context x q.
         let weights = [0.0, 1.0, shape.cached, shape.context];
@@ -229,7 +251,6 @@ impl Sums {
             per_token,
             shape,
             told_per_request,
-            told_shape: false,
         };
         let det = nn * ww - nw * nw;
         if det > MIN_CONDITION * nn * ww {
@@ -248,17 +269,18 @@ impl Sums {
         Some(fit(0.0, self.t / w, false))
     }
 
-    /// Every coefficient at once, when the samples tell them apart and none comes out
-    /// below zero; else, of the fits leaving out the cost of cached tokens or of context
-    /// (it then costs nothing), the one of the two that the samples tell apart, with no
-    /// coefficient below zero, that leaves the smaller squared error. A feature the samples
-    /// never showed (no cached token yet) keeps `known`'s figure.
-    fn fit_shape(&self, known: Shape) -> Option<Fit> {
+    /// The shape, from every coefficient at once, when the samples tell them apart and
+    /// none comes out below zero; else, of the fits leaving out the cost of cached tokens
+    /// or of context (it then costs nothing), the one of the two that the samples tell
+    /// apart, with no coefficient below zero, that leaves the smaller squared error. A
+    /// feature the samples never showed (no cached token yet) keeps `known`'s figure.
+    /// Returns the shape and the fit's seconds per request and per computed token.
+    fn fit_shape(&self, known: Shape) -> Option<Alone> {
         let seen = |i: usize| self.xx[i][i] > 0.0;
         if !(seen(REQUESTS) && seen(COMPUTED)) {
             return None;
         }
-        let fit = |active: &[usize]| -> Option<(Fit, f64)> {
+        let fit = |active: &[usize]| -> Option<(Alone, f64)> {
             let solved = solve(&self.xx, &self.xt, active)?;
             if solved.iter().any(|c| *c < 0.0) {
                 return None;
@@ -269,7 +291,8 @@ impl Sums {
                     .position(|&i| i == feature)
                     .and_then(|at| solved.get(at).copied())
             };
-            let (per_request, per_token) = (coefficient(REQUESTS)?, coefficient(COMPUTED)?);
+            let per_request = coefficient(REQUESTS)?;
+            let per_token = coefficient(COMPUTED)?;
             if per_token <= 0.0 {
                 return None;
             }
@@ -292,25 +315,24 @@ impl Sums {
                         bi * (row - 2.0 * self.xt[i])
                     })
                     .sum::<f64>();
-            let fit = Fit {
+            let shape = Shape {
+                cached: relative(CACHED, known.cached),
+                context: relative(CONTEXT, known.context),
+            };
+            let alone = Alone {
+                shape,
                 per_request,
                 per_token,
-                shape: Shape {
-                    cached: relative(CACHED, known.cached),
-                    context: relative(CONTEXT, known.context),
-                },
-                told_per_request: true,
-                told_shape: true,
             };
-            Some((fit, error))
+            Some((alone, error))
         };
         let features = |leave_out: Option<usize>| -> Vec<usize> {
             (0..FEATURES)
                 .filter(|&i| seen(i) && Some(i) != leave_out)
                 .collect()
         };
-        if let Some((all, _)) = fit(&features(None)) {
-            return Some(all);
+        if let Some((fit, _)) = fit(&features(None)) {
+            return Some(fit);
         }
         [CACHED, CONTEXT]
             .into_iter()
@@ -383,11 +405,31 @@ pub struct SpeedLearner {
     /// 25,575 and 205 tokens, so each such pick counted 370 tokens of the 575 it costs and
     /// the ranking drained that replica's queue faster than the replica did.
     per_request: Option<f64>,
-    /// The shape of the last fit that told it apart, kept for the same reason, and kept
-    /// across gaps too: it is the model's and the hardware's, which a burst of one
-    /// prompt's requests cannot tell apart again (a replica's first few requests after a
-    /// quiet spell rarely can), and the next fit that can replaces it.
+    /// Samples of one request that ran alone (nothing else running or waiting at either
+    /// scrape), the only ones the shape is fitted to: under concurrency vLLM's prefill
+    /// time of a request is the time of the engine steps it shared, so such samples
+    /// price the batch, not the request. On real vLLM's hot system prompt 10 requests of
+    /// about 350 new tokens after 7.2k cached reported 2.16 s of prefill each, where one
+    /// alone takes about 0.3 s; with requests of several shapes in the sums, such samples
+    /// moved a learned shape from (none per cached token, 5.6e-4 per token of context) to
+    /// (0.028, none) and back within the run (the daemon's debug log, 2026-12-07 18:56).
+    alone: Sums,
+    alone_samples: u64,
+    /// The shape of the last fit of the samples that ran alone that told it apart, kept
+    /// across gaps: it is the model's and the hardware's, and the next fit that tells it
+    /// apart replaces it.
     shape: Option<Shape>,
+    /// That fit, whose speed and fixed cost rank the replica (see [`Self::fitted`]).
+    /// Fitted to concurrent requests as well, the fixed cost took up the batches they
+    /// shared: on real vLLM's hot system prompt, 1.6 s per request on one replica of two
+    /// (6,395 tokens at 3,988 tokens/s, against 10 ms on the other), which sent the
+    /// approximate profile's new requests to the other replica until it melted (2.1 and
+    /// 2.4 requests/s against 3.2 and 3.8 for load-only, 18:56 and 18:59 UTC). With only
+    /// the fixed cost taken from requests alone, the speed fitted to the rest (1,100-1,550
+    /// tokens/s, a quarter of what one request alone gets) priced a cold prefill on the
+    /// idle replica as if it were as contended as the busy one, and that profile sent all
+    /// 72 requests to one replica (19:06 and 19:11 UTC).
+    alone_fit: Option<Alone>,
     /// When the last sample was taken.
     sampled_at: Option<Instant>,
     /// The figures from before the last gap of [`CURRENT_FOR`], until the samples since
@@ -432,8 +474,10 @@ impl SpeedLearner {
     /// Takes one scrape's counters. A counter that went back is a restarted replica: its
     /// figures so far stay (the same model on the same hardware), the new baseline is
     /// taken from here. A value that is not a finite number teaches nothing. `at` is when
-    /// the scrape was read.
-    pub fn observe(&mut self, now: PrefillCounters, at: Instant) {
+    /// the scrape was read; `quiet`, whether this scrape and the one before it found at
+    /// most one request running or waiting, and this one none: a sample of one request
+    /// then ran alone, and teaches the shape.
+    pub fn observe(&mut self, now: PrefillCounters, at: Instant, quiet: bool) {
         let finite = [
             now.requests,
             now.seconds,
@@ -467,6 +511,10 @@ impl SpeedLearner {
             self.requests = 0.0;
             self.tokens = 0.0;
             self.per_request = None;
+            // The speed requests alone showed goes the same way; the shape stays.
+            self.alone = Sums::default();
+            self.alone_samples = 0;
+            self.alone_fit = None;
         }
         let t = match self.expected_seconds(&x) {
             Some(expected) if expected > 0.0 => t.clamp(
@@ -480,12 +528,25 @@ impl SpeedLearner {
         self.sampled_at = Some(at);
         self.requests += n;
         self.tokens += k + Shape::DEFAULT.cached * cached;
+        let ran_alone = quiet
+            && n == 1.0
+            && self
+                .alone_fit
+                .is_none_or(|fit| t <= fit.seconds(&x) * MAX_ALONE_SURPRISE);
+        if ran_alone {
+            self.alone.decay_and_add(x, t);
+            self.alone_samples += 1;
+            if self.alone_samples >= MIN_ALONE_SAMPLES {
+                let known = self.shape.unwrap_or(Shape::DEFAULT);
+                if let Some(fit) = self.alone.fit_shape(known) {
+                    self.shape = Some(fit.shape);
+                    self.alone_fit = Some(fit);
+                }
+            }
+        }
         if let Some(fit) = self.fit() {
             if fit.told_per_request {
                 self.per_request = Some(fit.per_request);
-            }
-            if fit.told_shape {
-                self.shape = Some(fit.shape);
             }
         }
         if self.fitted().is_some() {
@@ -511,8 +572,17 @@ impl SpeedLearner {
     }
 
     /// The fit of the samples since the last gap, once they are enough evidence.
+    /// What requests that ran alone told apart ranks the replica, once there is: a
+    /// request's prefill as the replica computes it, whatever else it was computing
+    /// meanwhile (the queue in front of a request is the ranking's backlog, not its speed).
     fn fitted(&self) -> Option<PrefillSpeed> {
         let fit = self.fit()?;
+        let fit = self.alone_fit.map_or(fit, |alone| Fit {
+            per_request: alone.per_request,
+            per_token: alone.per_token,
+            shape: alone.shape,
+            told_per_request: true,
+        });
         let finite = [
             fit.per_request,
             fit.per_token,
@@ -810,13 +880,13 @@ mod tests {
     /// Feeds scrapes of requests that each take `overhead + tokens / rate`.
     fn feed(learner: &mut SpeedLearner, sizes: &[(f64, f64)], overhead: f64, rate: f64) {
         let mut total = learner.last.unwrap_or_default();
-        learner.observe(total, Instant::now());
+        learner.observe(total, Instant::now(), false);
         for &(n, tokens) in sizes {
             total.requests += n;
             total.computed_tokens += n * tokens;
             total.prompt_tokens += n * tokens;
             total.seconds += n * (overhead + tokens / rate);
-            learner.observe(total, Instant::now());
+            learner.observe(total, Instant::now(), false);
         }
     }
 
@@ -874,7 +944,7 @@ mod tests {
         stalled.computed_tokens += 1000.0;
         stalled.prompt_tokens += 1000.0;
         stalled.seconds += 80.0;
-        learner.observe(stalled, Instant::now());
+        learner.observe(stalled, Instant::now(), false);
         let after_stall = learner.measured().unwrap().tokens_per_second;
         assert!(after_stall > 4000.0 / 2.0, "{after_stall}");
         // The replica really became ten times slower: followed within 10%.
@@ -890,7 +960,7 @@ mod tests {
         // a cached token at a tenth of the cost.
         let mut learner = SpeedLearner::default();
         let mut total = PrefillCounters::default();
-        learner.observe(total, Instant::now());
+        learner.observe(total, Instant::now(), false);
         for (computed, prompt) in [
             (200.0, 6000.0),
             (2000.0, 2000.0),
@@ -901,7 +971,7 @@ mod tests {
             total.computed_tokens += computed;
             total.prompt_tokens += prompt;
             total.seconds += 0.04 + (computed + 0.1 * (prompt - computed)) / 10_000.0;
-            learner.observe(total, Instant::now());
+            learner.observe(total, Instant::now(), false);
         }
         let speed = learner.measured().unwrap();
         assert!(
@@ -919,13 +989,13 @@ mod tests {
         seconds: impl Fn(f64, f64) -> f64,
     ) {
         let mut total = learner.last.unwrap_or_default();
-        learner.observe(total, Instant::now());
+        learner.observe(total, Instant::now(), false);
         for &(computed, cached) in requests {
             total.requests += 1.0;
             total.computed_tokens += computed;
             total.prompt_tokens += computed + cached;
             total.seconds += seconds(computed, cached);
-            learner.observe(total, Instant::now());
+            learner.observe(total, Instant::now(), true);
         }
     }
 
@@ -971,6 +1041,39 @@ mod tests {
     }
 
     #[test]
+    fn requests_that_shared_the_engine_teach_no_shape() {
+        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
+        let alone = |k: f64, c: f64| a + b * k + e * k * (c + k / 2.0);
+        let mut learner = SpeedLearner::default();
+        feed_shapes(&mut learner, &CHAT, alone);
+        let learned = learner.measured().unwrap();
+        // A burst: each request's prefill twice as long as alone and 100 ms more (the
+        // batches it shared), scrapes seeing others running (not quiet), then the burst's
+        // last ones finishing alone by the scrapes' test, their times as shared as the rest.
+        let mut total = learner.last.unwrap();
+        for (i, &(computed, cached)) in CHAT.iter().cycle().take(40).enumerate() {
+            total.requests += 1.0;
+            total.computed_tokens += computed;
+            total.prompt_tokens += computed + cached;
+            total.seconds += 0.1 + 2.0 * alone(computed, cached);
+            learner.observe(total, Instant::now(), i >= 32);
+        }
+        let burst = learner.measured().unwrap();
+        assert_eq!(
+            (burst.cached_token_cost, burst.context_cost),
+            (learned.cached_token_cost, learned.context_cost),
+            "{burst:?}"
+        );
+        // The speed and the fixed cost stay what requests alone showed: the burst's wait
+        // is the backlog's to count.
+        assert_eq!(burst, learned);
+        assert!(
+            (burst.seconds(burst.overhead_tokens) - a).abs() < 1e-9,
+            "{burst:?}"
+        );
+    }
+
+    #[test]
     fn the_shape_outlasts_a_quiet_spell() {
         let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
         let cost = |k: f64, c: f64| a + b * k + e * k * (c + k / 2.0);
@@ -986,7 +1089,7 @@ mod tests {
             total.computed_tokens += 128.0;
             total.prompt_tokens += 128.0 + 7168.0;
             total.seconds += cost(128.0, 7168.0);
-            learner.observe(total, later);
+            learner.observe(total, later, false);
         }
         assert!(learner.is_current(later));
         let after = learner.measured().unwrap();
@@ -1021,9 +1124,9 @@ mod tests {
         let before = learner.measured();
         let mut bad = learner.last.unwrap();
         bad.seconds = f64::NAN;
-        learner.observe(bad, Instant::now());
+        learner.observe(bad, Instant::now(), false);
         bad.seconds = f64::INFINITY;
-        learner.observe(bad, Instant::now());
+        learner.observe(bad, Instant::now(), false);
         assert_eq!(learner.measured(), before);
         assert!(before.is_some_and(|s| s.tokens_per_second.is_finite()));
     }
@@ -1041,13 +1144,13 @@ mod tests {
     #[test]
     fn too_little_evidence_measures_nothing() {
         let mut learner = SpeedLearner::default();
-        learner.observe(counters(0.0, 0.0, 0.0), Instant::now());
+        learner.observe(counters(0.0, 0.0, 0.0), Instant::now(), false);
         assert_eq!(learner.measured(), None);
         // Two probes of a few tokens are no measure of a replica that takes time.
-        learner.observe(counters(1.0, 0.04, 10.0), Instant::now());
-        learner.observe(counters(2.0, 0.08, 20.0), Instant::now());
+        learner.observe(counters(1.0, 0.04, 10.0), Instant::now(), false);
+        learner.observe(counters(2.0, 0.08, 20.0), Instant::now(), false);
         assert_eq!(learner.measured(), None);
-        learner.observe(counters(3.0, 0.5, 4020.0), Instant::now());
+        learner.observe(counters(3.0, 0.5, 4020.0), Instant::now(), false);
         assert!(learner.measured().is_some());
     }
 
@@ -1112,9 +1215,9 @@ mod tests {
     #[test]
     fn two_requests_in_two_scrapes_are_evidence_enough() {
         let mut learner = SpeedLearner::default();
-        learner.observe(counters(0.0, 0.0, 0.0), Instant::now());
-        learner.observe(counters(1.0, 0.02, 25.0), Instant::now());
-        learner.observe(counters(2.0, 0.5, 2125.0), Instant::now());
+        learner.observe(counters(0.0, 0.0, 0.0), Instant::now(), false);
+        learner.observe(counters(1.0, 0.02, 25.0), Instant::now(), false);
+        learner.observe(counters(2.0, 0.5, 2125.0), Instant::now(), false);
         assert!(learner.measured().is_some());
     }
 
@@ -1123,10 +1226,10 @@ mod tests {
         let mut learner = SpeedLearner::default();
         feed(&mut learner, &[(1.0, 4000.0); 3], 0.0, 4000.0);
         let before = learner.measured().unwrap();
-        learner.observe(counters(1.0, 0.01, 5.0), Instant::now());
+        learner.observe(counters(1.0, 0.01, 5.0), Instant::now(), false);
         assert_eq!(learner.measured(), Some(before));
         // The first sample after the restart counts from the new baseline.
-        learner.observe(counters(2.0, 1.01, 4005.0), Instant::now());
+        learner.observe(counters(2.0, 1.01, 4005.0), Instant::now(), false);
         assert_eq!(learner.samples(), 4);
     }
 
@@ -1142,13 +1245,13 @@ mod tests {
         let noisy = |jitter: f64| {
             let mut learner = SpeedLearner::default();
             let mut total = PrefillCounters::default();
-            learner.observe(total, Instant::now());
+            learner.observe(total, Instant::now(), false);
             for (i, tokens) in [64.0, 3000.0, 128.0, 2000.0].into_iter().enumerate() {
                 total.requests += 1.0;
                 total.computed_tokens += tokens;
                 total.prompt_tokens += tokens;
                 total.seconds += 20e-6 + jitter * (i % 2) as f64;
-                learner.observe(total, Instant::now());
+                learner.observe(total, Instant::now(), false);
             }
             learner.measured().unwrap()
         };
@@ -1260,10 +1363,10 @@ mod tests {
         let mut learner = SpeedLearner::default();
         let start = Instant::now();
         assert!(!learner.is_current(start), "nothing sampled yet");
-        learner.observe(counters(0.0, 0.0, 0.0), start);
+        learner.observe(counters(0.0, 0.0, 0.0), start, false);
         assert!(!learner.is_current(start), "a baseline is no sample");
-        learner.observe(counters(1.0, 1.0, 1366.0), start);
-        learner.observe(counters(2.0, 2.0, 2732.0), start);
+        learner.observe(counters(1.0, 1.0, 1366.0), start, false);
+        learner.observe(counters(2.0, 2.0, 2732.0), start, false);
         assert_eq!(learner.measured().unwrap().tokens_per_second, 1366.0);
         let late = start + CURRENT_FOR;
         assert!(learner.is_current(late - Duration::from_millis(1)));
@@ -1271,10 +1374,10 @@ mod tests {
         // After the gap the replica got 3x faster: its old figures stand until the new
         // samples are evidence enough (two requests, 2,048 tokens), then only the new
         // ones count.
-        learner.observe(counters(3.0, 2.375, 4232.0), late);
+        learner.observe(counters(3.0, 2.375, 4232.0), late, false);
         assert!(!learner.is_current(late));
         assert_eq!(learner.measured().unwrap().tokens_per_second, 1366.0);
-        learner.observe(counters(4.0, 2.75, 5732.0), late);
+        learner.observe(counters(4.0, 2.75, 5732.0), late, false);
         assert!(learner.is_current(late));
         assert_eq!(learner.measured().unwrap().tokens_per_second, 4000.0);
         // The pair of the real-vLLM failure: one replica measured at 1,366 tokens/s while

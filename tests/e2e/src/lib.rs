@@ -669,6 +669,37 @@ impl Stack {
         })
     }
 
+    /// Sends each real vLLM replica in turn prompts of several lengths, cold and after a
+    /// cached prefix, one at a time (each scraped by kvaffined before the next), then
+    /// empties their caches and waits until kvaffined's index and `oracle` hold nothing:
+    /// kvaffined has then learned from each replica's own metrics how its prefill cost
+    /// grows with the prompt and the context (`docs/daemon.md`, Prefill speed, learned), as
+    /// a daemon that has served traffic for a while has, and the fleet is as cold as
+    /// before. A few seconds of concurrent traffic of one shape (a benchmark scenario's)
+    /// do not tell that apart: without this, a run is ranked at the linear model assumed
+    /// before anything is told apart.
+    pub fn learn_prefill_costs(
+        &self,
+        replicas: &[vllm::VllmProcess],
+        oracle: &vllm::OracleProcess,
+    ) -> anyhow::Result<()> {
+        let shapes = prefill_shape::Shapes {
+            cold: &[512, 1024, 2048],
+            cached: &[2048],
+            new: &[32, 256, 1024],
+            repeats: 1,
+        };
+        for (i, replica) in replicas.iter().enumerate() {
+            let mut scraped = prefill_shape::scraped_by(self, &replica.http);
+            prefill_shape::measure_on(replica, shapes, 9_000 + 1_000 * i as u64, &mut scraped)?;
+        }
+        for replica in replicas {
+            replica.reset_prefix_cache()?;
+        }
+        oracle.wait_empty()?;
+        self.wait_every_endpoint("kvaffined's index emptied", |e| e["index_entries"] == 0)
+    }
+
     /// Waits until kvaffined has recorded `count` outcomes from the filter (sent each
     /// second), and fails if it records more.
     pub fn wait_outcomes(&self, count: u64) -> anyhow::Result<()> {

@@ -639,6 +639,8 @@ pub fn run_through<T>(
                     ..StackConfig::default()
                 },
             )?;
+            // As for the emulator above: a fleet in steady state has long been measured.
+            stack.learn_prefill_costs(replicas, &process)?;
             let oracle = Oracle::Vllm {
                 service: process.addr.clone(),
                 render: first.http.clone(),

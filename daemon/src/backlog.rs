@@ -58,7 +58,7 @@ impl ConfirmedBy {
     }
 }
 
-/// Prefill a replica's events confirmed: `work` uncached-token equivalents (a pick's own,
+/// Prefill a replica's events confirmed: `work` computed-token equivalents (a pick's own,
 /// as the ranking counted it) in `seconds` during which some timed pick was awaited, so
 /// the replica was busy. A lower bound on its speed, near it once the period holds a few
 /// picks: the time also holds the hops before the replica schedules the first.
@@ -70,7 +70,7 @@ pub struct Confirmed {
     pub seconds: f64,
 }
 
-/// Prefill a replica has not finished: `work` uncached-token equivalents (what its busy
+/// Prefill a replica has not finished: `work` computed-token equivalents (what its busy
 /// period confirmed, and its oldest awaited pick's own) not done in the `seconds` since
 /// the period began. The replica works first in first out, so an upper bound on its speed
 /// while that pick is awaited, falling as the wait goes on: a slow replica is known to be
@@ -490,7 +490,7 @@ impl Backlogs {
         self.queues.get(slot.index())?.timing.overdue(now)
     }
 
-    /// Prefill still queued per slot (by slot number) at `now`, in uncached-token equivalents, for a
+    /// Prefill still queued per slot (by slot number) at `now`, in computed-token equivalents, for a
     /// request of block keys `own`. Picks whose last block is one of `own` are left out:
     /// they prefill a prefix of this request, work it needs wherever it goes (queued
     /// already on their replica, done again anywhere else), so they must not push it off

@@ -65,7 +65,7 @@ pub struct PeerBooking {
     pub endpoint: String,
     /// Its data-parallel rank whose stream holds the booking.
     pub rank: u32,
-    /// Prefill work the pick queued on it, in uncached-token equivalents.
+    /// Prefill work the pick queued on it, in computed-token equivalents.
     pub work: u64,
     /// How much longer the booking holds.
     pub ttl_ms: u64,

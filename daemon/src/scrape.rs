@@ -179,8 +179,9 @@ pub async fn run(daemon: Arc<Daemon>, endpoint: Arc<Endpoint>, client: reqwest::
                 if status.scrape_error.take().is_some() {
                     tracing::info!(endpoint = %endpoint.spec.endpoint, "metrics and health reachable again");
                 }
-                // A request that finished between two scrapes finding at most itself, then
-                // nothing, running or waiting ran alone.
+                // A request that finished between a scrape finding at most one request
+                // running or waiting and one finding none may have run alone (or been the
+                // last of a burst: the learner checks its time too).
                 let busy = |load: &crate::state::ScrapedLoad| load.running + load.waiting;
                 let quiet =
                     status.load.is_some_and(|before| busy(&before) <= 1) && busy(&scrape.load) == 0;

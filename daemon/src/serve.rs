@@ -259,7 +259,9 @@ impl Fleet {
             slot,
             status: Mutex::new(EndpointStatus {
                 alignment: "unknown",
-                speed: crate::speed::SpeedLearner::default(),
+                speed: crate::speed::SpeedLearner::new(
+                    self.daemon.settings.speed_flags.cached_token_cost,
+                ),
                 ..EndpointStatus::default()
             }),
             stop: AtomicBool::new(false),

@@ -60,6 +60,14 @@ const MIN_ALONE_SAMPLES: u64 = 6;
 /// 19:06 UTC).
 const MAX_ALONE_SURPRISE: f64 = 1.25;
 
+/// Samples in a row that seem alone and are too slow for the fit of requests alone before
+/// that fit starts afresh: a burst's last request is one now and then, after samples that
+/// were not alone; a replica that got slower makes every request it serves alone so
+/// (without this, a replica slowed by more than [`MAX_ALONE_SURPRISE`] was ranked at its
+/// old speed until 30 s without a request). One slowed while always busy is still not
+/// followed by this fit until such a gap.
+const MAX_ALONE_REJECTED: u32 = 3;
+
 /// A busy period must be this long before its events time the replica: shorter, the
 /// hops between the pick, the replica and its event (a millisecond or two on one host)
 /// are most of it. The work must be [`MIN_COMPUTED_TOKENS`] too.
@@ -430,6 +438,12 @@ pub struct SpeedLearner {
     /// idle replica as if it were as contended as the busy one, and that profile sent all
     /// 72 requests to one replica (19:06 and 19:11 UTC).
     alone_fit: Option<Alone>,
+    /// Samples in a row that seemed alone but were slower than that fit allows: past
+    /// [`MAX_ALONE_REJECTED`], the replica itself got slower, and the fit starts afresh.
+    alone_rejected: u32,
+    /// `--cached-token-cost`: the linear model, fitted as kvaffined always fitted it (to
+    /// every sample, the shape fixed), nothing learned from requests alone.
+    fixed_shape: Option<Shape>,
     /// When the last sample was taken.
     sampled_at: Option<Instant>,
     /// The figures from before the last gap of [`CURRENT_FOR`], until the samples since
@@ -440,6 +454,21 @@ pub struct SpeedLearner {
 }
 
 impl SpeedLearner {
+    /// Learns nothing yet; with `cached_token_cost` (the operator's
+    /// `--cached-token-cost`), fits the linear model with that cost per cached token and
+    /// none for context, as kvaffined always did.
+    pub fn new(cached_token_cost: Option<f64>) -> Self {
+        let fixed_shape = cached_token_cost.map(|cached| Shape {
+            cached,
+            context: 0.0,
+        });
+        Self {
+            shape: fixed_shape,
+            fixed_shape,
+            ..Self::default()
+        }
+    }
+
     /// Takes what the replica's events confirmed at `at`. True if the ranking's figure
     /// for it may have changed: its metrics have measured nothing yet.
     pub fn observe_confirmed(&mut self, confirmed: Confirmed, at: Instant) -> bool {
@@ -528,12 +557,24 @@ impl SpeedLearner {
         self.sampled_at = Some(at);
         self.requests += n;
         self.tokens += k + Shape::DEFAULT.cached * cached;
-        let ran_alone = quiet
-            && n == 1.0
+        let alone = quiet && n == 1.0 && self.fixed_shape.is_none();
+        let ran_alone = alone
             && self
                 .alone_fit
                 .is_none_or(|fit| t <= fit.seconds(&x) * MAX_ALONE_SURPRISE);
+        if !alone {
+            self.alone_rejected = 0;
+        } else if !ran_alone {
+            self.alone_rejected += 1;
+            if self.alone_rejected > MAX_ALONE_REJECTED {
+                self.alone = Sums::default();
+                self.alone_samples = 0;
+                self.alone_fit = None;
+                self.alone_rejected = 0;
+            }
+        }
         if ran_alone {
+            self.alone_rejected = 0;
             self.alone.decay_and_add(x, t);
             self.alone_samples += 1;
             if self.alone_samples >= MIN_ALONE_SAMPLES {
@@ -1047,16 +1088,17 @@ mod tests {
         let mut learner = SpeedLearner::default();
         feed_shapes(&mut learner, &CHAT, alone);
         let learned = learner.measured().unwrap();
-        // A burst: each request's prefill twice as long as alone and 100 ms more (the
-        // batches it shared), scrapes seeing others running (not quiet), then the burst's
-        // last ones finishing alone by the scrapes' test, their times as shared as the rest.
+        // Bursts of three: each request's prefill twice as long as alone and 100 ms more
+        // (the batches it shared), the scrapes seeing others running (not quiet) but for
+        // each burst's last, which passes the scrapes' test of alone with a time as shared
+        // as the rest (every one of the eight shapes among them).
         let mut total = learner.last.unwrap();
-        for (i, &(computed, cached)) in CHAT.iter().cycle().take(40).enumerate() {
+        for (i, &(computed, cached)) in CHAT.iter().cycle().take(90).enumerate() {
             total.requests += 1.0;
             total.computed_tokens += computed;
             total.prompt_tokens += computed + cached;
             total.seconds += 0.1 + 2.0 * alone(computed, cached);
-            learner.observe(total, Instant::now(), i >= 32);
+            learner.observe(total, Instant::now(), i % 3 == 2);
         }
         let burst = learner.measured().unwrap();
         assert_eq!(
@@ -1071,6 +1113,39 @@ mod tests {
             (burst.seconds(burst.overhead_tokens) - a).abs() < 1e-9,
             "{burst:?}"
         );
+    }
+
+    #[test]
+    fn a_replica_that_got_slower_is_followed_by_its_requests_alone() {
+        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
+        let cost = |k: f64, c: f64| a + b * k + e * k * (c + k / 2.0);
+        let mut learner = SpeedLearner::default();
+        feed_shapes(&mut learner, &CHAT, cost);
+        let before = learner.measured().unwrap();
+        // Twice as slow from now on, every request alone: the first few are taken for
+        // shared ones, then the fit starts afresh and learns the new speed.
+        feed_shapes(&mut learner, &CHAT, |k, c| 2.0 * cost(k, c));
+        feed_shapes(&mut learner, &CHAT, |k, c| 2.0 * cost(k, c));
+        let after = learner.measured().unwrap();
+        assert!(
+            (after.tokens_per_second * 2.0 / before.tokens_per_second - 1.0).abs() < 1e-6,
+            "{before:?} then {after:?}"
+        );
+        assert!((after.context_cost / before.context_cost - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_flag_fits_the_linear_model_as_before() {
+        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
+        let mut learner = SpeedLearner::new(Some(0.1));
+        feed_shapes(&mut learner, &CHAT, |k, c| {
+            a + b * k + e * k * (c + k / 2.0)
+        });
+        let speed = learner.measured().unwrap();
+        assert_eq!((speed.cached_token_cost, speed.context_cost), (0.1, 0.0));
+        // The speed is the linear model's fit to every request: far below the computed
+        // tokens' own 5,747 tokens/s, the context folded in.
+        assert!(speed.tokens_per_second < 4000.0, "{speed:?}");
     }
 
     #[test]

@@ -587,6 +587,8 @@ impl Daemon {
                 }
                 view.measured_tokens_per_second = None;
                 view.measured_overhead_ms = None;
+                view.measured_cached_token_cost = None;
+                view.measured_context_cost = None;
             }
             // While a pick it was sent is overdue, it is no faster than its events allow,
             // and the bound falls with every refresh until the pick is confirmed.

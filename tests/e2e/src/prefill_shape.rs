@@ -1,9 +1,10 @@
 //! What a prompt costs real vLLM to prefill, by how long it is and how much of it is
-//! cached, as vLLM itself reports it (`vllm:request_prefill_time_seconds`), beside what
-//! kvaffined's ranking model charges for the same prompt. The ranking weighs a cached
-//! token at a fixed share of a computed one; on a CPU replica the cost of a computed token
-//! grows with the context it attends over, which that model cannot express. This measures
-//! by how much, so the model can be judged against the engine instead of the emulator.
+//! cached, as vLLM itself reports it (`vllm:request_prefill_time_seconds`), beside the
+//! linear model kvaffined ranked with before it learned each replica's shape (a cached
+//! token at a fixed share of a computed one), an attention model fitted after the fact,
+//! and what a kvaffined in front of the replica learned from the same requests. On a CPU
+//! replica the cost of a computed token grows with the context it attends over, which the
+//! linear model cannot express.
 
 use std::time::{Duration, Instant};
 
@@ -77,7 +78,7 @@ fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
     Some(x)
 }
 
-/// kvaffined's model, `t = overhead + (computed + cached_token_cost x cached) / speed`,
+/// The linear model, `t = overhead + (computed + cached_token_cost x cached) / speed`,
 /// fitted to `samples` by least squares, or, where that gives a negative fixed cost, with
 /// none and the plain ratio of the work to the time (what `daemon/src/speed.rs` falls
 /// back to when it has no fixed cost from an earlier fit to keep): (overhead s, tokens/s,

@@ -66,6 +66,12 @@ impl PrefillSpeed {
         tokens / self.tokens_per_second
     }
 
+    /// Seconds a request alone takes to prefill, its fixed cost included, with its first
+    /// `cached` prompt tokens served from the cache and the next `computed` computed.
+    pub fn request_seconds(&self, computed: f64, cached: f64) -> f64 {
+        self.seconds(self.overhead_tokens + self.work(computed, cached))
+    }
+
     /// The work, in computed-token equivalents, of a prompt whose first `cached` tokens are
     /// served from the cache and whose next `computed` are computed: each computed token
     /// attends over the cached ones and, on average, half the computed ones.
@@ -548,6 +554,8 @@ mod tests {
         assert!((attention.work(10.0, 1000.0) - 20.05).abs() < 1e-9);
         // The default is the linear model: a cached token at a tenth of a computed one.
         assert_eq!(PrefillSpeed::DEFAULT.work(10.0, 1000.0), 110.0);
+        // Alone, with its fixed cost: 200 + 110 tokens at 5,000 tokens/s.
+        assert!((PrefillSpeed::DEFAULT.request_seconds(10.0, 1000.0) - 0.062).abs() < 1e-12);
     }
 
     #[test]

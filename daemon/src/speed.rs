@@ -51,10 +51,11 @@ const MIN_ALONE_SAMPLES: u64 = 6;
 
 /// Once requests that ran alone have been fitted, a sample that seems to have run alone
 /// but took more than this many times what the fit says was not alone (requests alone came
-/// within 10% of it on rows of 100 ms or more, `bench prefill-shape`; a faster one is
-/// always taken, a slower small one may be lost): vLLM records a
+/// within 10% of it on rows of 100 ms or more, `bench prefill-shape` on real vLLM 0.32.0; a
+/// faster one is
+/// always taken, a slower small one may be lost): vLLM (0.32.0's code) records a
 /// request's prefill time when it finishes, so one that finished after the others of a
-/// burst passes the scrapes' test of quiet with a prefill it shared. On real vLLM's hot
+/// burst passes the scrapes' test of quiet with a prefill it shared. On real vLLM 0.32.0's hot
 /// system prompt such samples moved the learned context cost from 5.5e-4 (the requests of
 /// the warm-up, each alone) to 3.0e-3 within a run (the daemon's debug log, 2026-12-07
 /// 19:06 UTC).
@@ -163,7 +164,7 @@ impl Shape {
 }
 
 /// A fit: seconds per request and per computed token at a shape, and whether the samples
-/// told the two apart.
+/// told the first two apart.
 #[derive(Clone, Copy, Debug)]
 struct Fit {
     per_request: f64,
@@ -173,16 +174,7 @@ struct Fit {
     told_per_request: bool,
 }
 
-/// What requests that ran alone told apart: the shape, and their seconds per request and
-/// per computed token.
-#[derive(Clone, Copy, Debug)]
-struct Alone {
-    shape: Shape,
-    per_request: f64,
-    per_token: f64,
-}
-
-impl Alone {
+impl Fit {
     /// Seconds a sample of features `x` takes by this fit.
     fn seconds(&self, x: &[f64; FEATURES]) -> f64 {
         x[REQUESTS] * self.per_request + self.per_token * self.shape.work(x)
@@ -282,13 +274,12 @@ impl Sums {
     /// or of context (it then costs nothing), the one of the two that the samples tell
     /// apart, with no coefficient below zero, that leaves the smaller squared error. A
     /// feature the samples never showed (no cached token yet) keeps `known`'s figure.
-    /// Returns the shape and the fit's seconds per request and per computed token.
-    fn fit_shape(&self, known: Shape) -> Option<Alone> {
+    fn fit_shape(&self, known: Shape) -> Option<Fit> {
         let seen = |i: usize| self.xx[i][i] > 0.0;
         if !(seen(REQUESTS) && seen(COMPUTED)) {
             return None;
         }
-        let fit = |active: &[usize]| -> Option<(Alone, f64)> {
+        let fit = |active: &[usize]| -> Option<(Fit, f64)> {
             let solved = solve(&self.xx, &self.xt, active)?;
             if solved.iter().any(|c| *c < 0.0) {
                 return None;
@@ -327,12 +318,13 @@ impl Sums {
                 cached: relative(CACHED, known.cached),
                 context: relative(CONTEXT, known.context),
             };
-            let alone = Alone {
-                shape,
+            let fit = Fit {
                 per_request,
                 per_token,
+                shape,
+                told_per_request: true,
             };
-            Some((alone, error))
+            Some((fit, error))
         };
         let features = |leave_out: Option<usize>| -> Vec<usize> {
             (0..FEATURES)
@@ -416,7 +408,7 @@ pub struct SpeedLearner {
     /// Samples of one request that ran alone (nothing else running or waiting at either
     /// scrape), the only ones the shape is fitted to: under concurrency vLLM's prefill
     /// time of a request is the time of the engine steps it shared, so such samples
-    /// price the batch, not the request. On real vLLM's hot system prompt 10 requests of
+    /// price the batch, not the request. On real vLLM 0.32.0's hot system prompt 10 requests of
     /// about 350 new tokens after 7.2k cached reported 2.16 s of prefill each, where one
     /// alone takes about 0.3 s; with requests of several shapes in the sums, such samples
     /// moved a learned shape from (none per cached token, 5.6e-4 per token of context) to
@@ -429,7 +421,7 @@ pub struct SpeedLearner {
     shape: Option<Shape>,
     /// That fit, whose speed and fixed cost rank the replica (see [`Self::fitted`]).
     /// Fitted to concurrent requests as well, the fixed cost took up the batches they
-    /// shared: on real vLLM's hot system prompt, 1.6 s per request on one replica of two
+    /// shared: on real vLLM 0.32.0's hot system prompt, 1.6 s per request on one replica of two
     /// (6,395 tokens at 3,988 tokens/s, against 10 ms on the other), which sent the
     /// approximate profile's new requests to the other replica until it melted (2.1 and
     /// 2.4 requests/s against 3.2 and 3.8 for load-only, 18:56 and 18:59 UTC). With only
@@ -437,7 +429,7 @@ pub struct SpeedLearner {
     /// tokens/s, a quarter of what one request alone gets) priced a cold prefill on the
     /// idle replica as if it were as contended as the busy one, and that profile sent all
     /// 72 requests to one replica (19:06 and 19:11 UTC).
-    alone_fit: Option<Alone>,
+    alone_fit: Option<Fit>,
     /// Samples in a row that seemed alone but were slower than that fit allows: past
     /// [`MAX_ALONE_REJECTED`], the replica itself got slower, and the fit starts afresh.
     alone_rejected: u32,
@@ -602,8 +594,7 @@ impl SpeedLearner {
 
     /// Seconds the fit so far expects a sample of features `x` to take.
     fn expected_seconds(&self, x: &[f64; FEATURES]) -> Option<f64> {
-        let fit = self.fit()?;
-        Some(x[REQUESTS] * fit.per_request + fit.shape.work(x) * fit.per_token)
+        Some(self.fit()?.seconds(x))
     }
 
     /// The replica's own speed, once there is enough evidence (since the last gap of
@@ -612,18 +603,13 @@ impl SpeedLearner {
         self.fitted().or(self.before_gap)
     }
 
-    /// The fit of the samples since the last gap, once they are enough evidence.
-    /// What requests that ran alone told apart ranks the replica, once there is: a
-    /// request's prefill as the replica computes it, whatever else it was computing
-    /// meanwhile (the queue in front of a request is the ranking's backlog, not its speed).
+    /// The fit of the samples since the last gap, once they are enough evidence; that of
+    /// the requests that ran alone in its place once there is one: a request's prefill as
+    /// the replica computes it, whatever else it was computing meanwhile (the queue in
+    /// front of a request is the ranking's backlog, not its speed).
     fn fitted(&self) -> Option<PrefillSpeed> {
-        let fit = self.fit()?;
-        let fit = self.alone_fit.map_or(fit, |alone| Fit {
-            per_request: alone.per_request,
-            per_token: alone.per_token,
-            shape: alone.shape,
-            told_per_request: true,
-        });
+        let all = self.fit()?;
+        let fit = self.alone_fit.unwrap_or(all);
         let finite = [
             fit.per_request,
             fit.per_token,
@@ -1029,14 +1015,32 @@ mod tests {
         requests: &[(f64, f64)],
         seconds: impl Fn(f64, f64) -> f64,
     ) {
+        learner.observe(learner.last.unwrap_or_default(), Instant::now(), false);
+        feed_scrapes(
+            learner,
+            requests.iter().copied(),
+            seconds,
+            Instant::now(),
+            |_| true,
+        );
+    }
+
+    /// Feeds one scrape read at `at` per request of `(computed, cached)` tokens after the
+    /// learner's last counters, the i-th quiet if `quiet(i)`.
+    fn feed_scrapes(
+        learner: &mut SpeedLearner,
+        requests: impl IntoIterator<Item = (f64, f64)>,
+        seconds: impl Fn(f64, f64) -> f64,
+        at: Instant,
+        quiet: impl Fn(usize) -> bool,
+    ) {
         let mut total = learner.last.unwrap_or_default();
-        learner.observe(total, Instant::now(), false);
-        for &(computed, cached) in requests {
+        for (i, (computed, cached)) in requests.into_iter().enumerate() {
             total.requests += 1.0;
             total.computed_tokens += computed;
             total.prompt_tokens += computed + cached;
             total.seconds += seconds(computed, cached);
-            learner.observe(total, Instant::now(), true);
+            learner.observe(total, at, quiet(i));
         }
     }
 
@@ -1052,16 +1056,30 @@ mod tests {
         (1280.0, 1024.0),
     ];
 
+    /// The large benchmark model on real vLLM 0.32.0 (`bench prefill-shape`, 2026-12-07
+    /// 16:16 UTC): 21.3 ms, then 0.174 ms per computed token and 87.86 ns per token of
+    /// context it attends over.
+    const LARGE: (f64, f64, f64) = (0.0213, 0.174e-3, 87.86e-9);
+
+    /// Seconds the large model takes to prefill `k` computed tokens after `c` cached.
+    fn large(k: f64, c: f64) -> f64 {
+        let (a, b, e) = LARGE;
+        a + b * k + e * k * (c + k / 2.0)
+    }
+
+    /// A learner that has seen [`CHAT`]'s requests alone on the large model, and what it
+    /// learned.
+    fn learned_large() -> (SpeedLearner, PrefillSpeed) {
+        let mut learner = SpeedLearner::default();
+        feed_shapes(&mut learner, &CHAT, large);
+        let learned = learner.measured().unwrap();
+        (learner, learned)
+    }
+
     #[test]
     fn a_replica_that_pays_for_context_is_learned_as_one() {
-        // The large benchmark model on real vLLM 0.32.0 (bench prefill-shape): 21.3 ms, then
-        // 0.174 ms per computed token and 87.86 ns per token of context it attends over.
-        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
-        let mut learner = SpeedLearner::default();
-        feed_shapes(&mut learner, &CHAT, |k, c| {
-            a + b * k + e * k * (c + k / 2.0)
-        });
-        let speed = learner.measured().unwrap();
+        let (a, b, e) = LARGE;
+        let (mut learner, speed) = learned_large();
         assert!(
             (speed.tokens_per_second * b - 1.0).abs() < 1e-6,
             "{speed:?}"
@@ -1070,9 +1088,7 @@ mod tests {
         assert!((speed.context_cost - e / b).abs() < 1e-9, "{speed:?}");
         assert!(speed.cached_token_cost.abs() < 1e-6, "{speed:?}");
         // A hot prompt's requests, all of one shape, keep that shape.
-        feed_shapes(&mut learner, &[(128.0, 7168.0); 100], |k, c| {
-            a + b * k + e * k * (c + k / 2.0)
-        });
+        feed_shapes(&mut learner, &[(128.0, 7168.0); 100], large);
         let kept = learner.measured().unwrap();
         assert!(
             (kept.context_cost / speed.context_cost - 1.0).abs() < 1e-3,
@@ -1083,23 +1099,18 @@ mod tests {
 
     #[test]
     fn requests_that_shared_the_engine_teach_no_shape() {
-        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
-        let alone = |k: f64, c: f64| a + b * k + e * k * (c + k / 2.0);
-        let mut learner = SpeedLearner::default();
-        feed_shapes(&mut learner, &CHAT, alone);
-        let learned = learner.measured().unwrap();
+        let (mut learner, learned) = learned_large();
         // Bursts of three: each request's prefill twice as long as alone and 100 ms more
         // (the batches it shared), the scrapes seeing others running (not quiet) but for
         // each burst's last, which passes the scrapes' test of alone with a time as shared
         // as the rest (every one of the eight shapes among them).
-        let mut total = learner.last.unwrap();
-        for (i, &(computed, cached)) in CHAT.iter().cycle().take(90).enumerate() {
-            total.requests += 1.0;
-            total.computed_tokens += computed;
-            total.prompt_tokens += computed + cached;
-            total.seconds += 0.1 + 2.0 * alone(computed, cached);
-            learner.observe(total, Instant::now(), i % 3 == 2);
-        }
+        feed_scrapes(
+            &mut learner,
+            CHAT.iter().copied().cycle().take(90),
+            |k, c| 0.1 + 2.0 * large(k, c),
+            Instant::now(),
+            |i| i % 3 == 2,
+        );
         let burst = learner.measured().unwrap();
         assert_eq!(
             (burst.cached_token_cost, burst.context_cost),
@@ -1110,22 +1121,18 @@ mod tests {
         // is the backlog's to count.
         assert_eq!(burst, learned);
         assert!(
-            (burst.seconds(burst.overhead_tokens) - a).abs() < 1e-9,
+            (burst.seconds(burst.overhead_tokens) - LARGE.0).abs() < 1e-9,
             "{burst:?}"
         );
     }
 
     #[test]
     fn a_replica_that_got_slower_is_followed_by_its_requests_alone() {
-        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
-        let cost = |k: f64, c: f64| a + b * k + e * k * (c + k / 2.0);
-        let mut learner = SpeedLearner::default();
-        feed_shapes(&mut learner, &CHAT, cost);
-        let before = learner.measured().unwrap();
+        let (mut learner, before) = learned_large();
         // Twice as slow from now on, every request alone: the first few are taken for
         // shared ones, then the fit starts afresh and learns the new speed.
-        feed_shapes(&mut learner, &CHAT, |k, c| 2.0 * cost(k, c));
-        feed_shapes(&mut learner, &CHAT, |k, c| 2.0 * cost(k, c));
+        feed_shapes(&mut learner, &CHAT, |k, c| 2.0 * large(k, c));
+        feed_shapes(&mut learner, &CHAT, |k, c| 2.0 * large(k, c));
         let after = learner.measured().unwrap();
         assert!(
             (after.tokens_per_second * 2.0 / before.tokens_per_second - 1.0).abs() < 1e-6,
@@ -1136,11 +1143,8 @@ mod tests {
 
     #[test]
     fn the_flag_fits_the_linear_model_as_before() {
-        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
         let mut learner = SpeedLearner::new(Some(0.1));
-        feed_shapes(&mut learner, &CHAT, |k, c| {
-            a + b * k + e * k * (c + k / 2.0)
-        });
+        feed_shapes(&mut learner, &CHAT, large);
         let speed = learner.measured().unwrap();
         assert_eq!((speed.cached_token_cost, speed.context_cost), (0.1, 0.0));
         // The speed is the linear model's fit to every request: far below the computed
@@ -1150,22 +1154,12 @@ mod tests {
 
     #[test]
     fn the_shape_outlasts_a_quiet_spell() {
-        let (a, b, e) = (0.0213, 0.174e-3, 87.86e-9);
-        let cost = |k: f64, c: f64| a + b * k + e * k * (c + k / 2.0);
-        let mut learner = SpeedLearner::default();
-        feed_shapes(&mut learner, &CHAT, cost);
-        let learned = learner.measured().unwrap().context_cost;
+        let (mut learner, learned) = learned_large();
+        let learned = learned.context_cost;
         // After a quiet spell, requests of one shape: the rest is fitted afresh, the shape
         // stays.
         let later = Instant::now() + CURRENT_FOR * 2;
-        let mut total = learner.last.unwrap();
-        for _ in 0..4 {
-            total.requests += 1.0;
-            total.computed_tokens += 128.0;
-            total.prompt_tokens += 128.0 + 7168.0;
-            total.seconds += cost(128.0, 7168.0);
-            learner.observe(total, later, false);
-        }
+        feed_scrapes(&mut learner, [(128.0, 7168.0); 4], large, later, |_| false);
         assert!(learner.is_current(later));
         let after = learner.measured().unwrap();
         assert_eq!(after.context_cost, learned, "{after:?}");

@@ -81,9 +81,15 @@ fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
 /// The linear model, `t = overhead + (computed + cached_token_cost x cached) / speed`,
 /// fitted to `samples` by least squares, or, where that gives a negative fixed cost, with
 /// none and the plain ratio of the work to the time (what `daemon/src/speed.rs` falls
-/// back to when it has no fixed cost from an earlier fit to keep): (overhead s, tokens/s,
-/// whether it fell back).
-pub fn linear_fit(samples: &[Sample], cached_token_cost: f64) -> Option<(f64, f64, bool)> {
+/// back to when it has no fixed cost from an earlier fit to keep): the figures, no cost of
+/// context among them, and whether it fell back.
+pub fn linear_fit(samples: &[Sample], cached_token_cost: f64) -> Option<(PrefillSpeed, bool)> {
+    let speed = |overhead: f64, tokens_per_second: f64| PrefillSpeed {
+        tokens_per_second,
+        overhead_tokens: overhead * tokens_per_second,
+        cached_token_cost,
+        context_cost: 0.0,
+    };
     let work = |s: &Sample| s.computed + cached_token_cost * s.cached;
     let rows: Vec<([f64; 2], f64)> = samples
         .iter()
@@ -91,12 +97,12 @@ pub fn linear_fit(samples: &[Sample], cached_token_cost: f64) -> Option<(f64, f6
         .collect();
     let [overhead, per_token] = least_squares(&rows)?;
     if overhead >= 0.0 && per_token > 0.0 {
-        return Some((overhead, 1.0 / per_token, false));
+        return Some((speed(overhead, 1.0 / per_token), false));
     }
     let (work, seconds): (f64, f64) = samples
         .iter()
         .fold((0.0, 0.0), |(w, t), s| (w + work(s), t + s.seconds));
-    (seconds > 0.0).then(|| (0.0, work / seconds, true))
+    (seconds > 0.0).then(|| (speed(0.0, work / seconds), true))
 }
 
 /// A model where each computed token attends over the context before it:
@@ -315,14 +321,13 @@ pub fn table(
     cached_token_cost: f64,
     learned: &PrefillSpeed,
 ) -> anyhow::Result<String> {
-    let (overhead, speed, fell_back) =
+    let (fitted, fell_back) =
         linear_fit(samples, cached_token_cost).context("the linear model does not fit")?;
     let [a, b, e] = attention_fit(samples).context("the attention model does not fit")?;
-    let linear = |s: &Sample| overhead + (s.computed + cached_token_cost * s.cached) / speed;
+    let linear = |s: &Sample| fitted.request_seconds(s.computed, s.cached);
     let attention =
         |s: &Sample| a + b * s.computed + e * s.computed * (s.cached + s.computed / 2.0);
-    let by_kvaffined =
-        |s: &Sample| learned.seconds(learned.overhead_tokens + learned.work(s.computed, s.cached));
+    let by_kvaffined = |s: &Sample| learned.request_seconds(s.computed, s.cached);
     let error = |predicted: f64, s: &Sample| (predicted / s.seconds - 1.0) * 100.0;
     let mut out = format!(
         "**{model}**: the linear model over every row: {:.0} tokens/s after {:.1} ms{}, \
@@ -333,8 +338,8 @@ pub fn table(
          cost times {:.2e} per token).\n\n\
          | cached tokens | computed tokens | vLLM's prefill | linear model | error | attention model | error | kvaffined learned | error |\n\
          |---|---|---|---|---|---|---|---|---|\n",
-        speed,
-        overhead * 1e3,
+        fitted.tokens_per_second,
+        fitted.seconds(fitted.overhead_tokens) * 1e3,
         if fell_back {
             " (least squares gave a negative fixed cost: none, and the work over the time)"
         } else {
@@ -384,10 +389,13 @@ mod tests {
             .iter()
             .map(|&(c, k)| sample(c, k, 0.02 + (k + 0.1 * c) / 5000.0))
             .collect();
-        let (overhead, speed, fell_back) = linear_fit(&linear, 0.1).unwrap();
+        let (speed, fell_back) = linear_fit(&linear, 0.1).unwrap();
         assert!(!fell_back);
-        assert!((overhead - 0.02).abs() < 1e-9, "{overhead}");
-        assert!((speed - 5000.0).abs() < 1e-6, "{speed}");
+        assert!(
+            (speed.seconds(speed.overhead_tokens) - 0.02).abs() < 1e-9,
+            "{speed:?}"
+        );
+        assert!((speed.tokens_per_second - 5000.0).abs() < 1e-6, "{speed:?}");
         let quadratic: Vec<Sample> = [
             (0.0, 1000.0),
             (0.0, 7000.0),

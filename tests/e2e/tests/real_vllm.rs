@@ -764,9 +764,7 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
         }
         let mut predicted: Vec<f64> = own
             .iter()
-            .map(|(_, tokens)| {
-                speed.seconds(speed.overhead_tokens + speed.work(*tokens as f64, 0.0))
-            })
+            .map(|(_, tokens)| speed.request_seconds(*tokens as f64, 0.0))
             .collect();
         let mut took: Vec<f64> = own.iter().map(|(seconds, _)| *seconds).collect();
         predicted.sort_by(f64::total_cmp);
@@ -819,14 +817,16 @@ fn learned_prefill_costs(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
         .context("the replica is not in /v1/endpoints")?["prefill"]
         .clone();
     let speed = measured_speed(&learned)?;
-    let linear = kvaffine_core::PrefillSpeed::DEFAULT.cached_token_cost;
-    let (overhead, rate, _) = linear_fit(&rows, linear).context("no linear fit")?;
+    let (linear, _) = linear_fit(
+        &rows,
+        kvaffine_core::PrefillSpeed::DEFAULT.cached_token_cost,
+    )
+    .context("no linear fit")?;
     let error = |predicted: f64, took: f64| (predicted / took - 1.0).abs();
     let mut errors: Vec<(f64, f64)> = Vec::new();
     for row in &rows {
-        let by_kvaffined =
-            speed.seconds(speed.overhead_tokens + speed.work(row.computed, row.cached));
-        let by_linear = overhead + (row.computed + linear * row.cached) / rate;
+        let by_kvaffined = speed.request_seconds(row.computed, row.cached);
+        let by_linear = linear.request_seconds(row.computed, row.cached);
         eprintln!(
             "{} cached, {} computed: vLLM {:.1} ms, kvaffined {:.1} ms, linear {:.1} ms",
             row.cached,

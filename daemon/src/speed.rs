@@ -61,12 +61,12 @@ const MIN_ALONE_SAMPLES: u64 = 6;
 /// 19:06 UTC).
 const MAX_ALONE_SURPRISE: f64 = 1.25;
 
-/// Samples in a row that seem alone and are too slow for the fit of requests alone before
-/// that fit starts afresh: a burst's last request is one now and then, after samples that
-/// were not alone; a replica that got slower makes every request it serves alone so
-/// (without this, a replica slowed by more than [`MAX_ALONE_SURPRISE`] was ranked at its
-/// old speed until 30 s without a request). One slowed while always busy is still not
-/// followed by this fit until such a gap.
+/// Samples in a row that seem alone and are too slow for the fit of requests alone that are
+/// left out; one more, and that fit starts afresh: a burst's last request is one now and
+/// then, after samples that were not alone; a replica that got slower makes every request
+/// it serves alone so (without this, a replica slowed by more than [`MAX_ALONE_SURPRISE`]
+/// was ranked at its old speed until 30 s without a request). One slowed while always
+/// busy is still not followed by this fit until such a gap.
 const MAX_ALONE_REJECTED: u32 = 3;
 
 /// A busy period must be this long before its events time the replica: shorter, the

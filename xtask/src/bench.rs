@@ -332,20 +332,27 @@ pub fn peers_overhead() -> anyhow::Result<()> {
 /// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`
 /// (`--engine vllm`: their workloads on real vLLM -> `docs/benchmarks/peers-vllm/`;
 /// `--time-scale X`: on the emulator at another speed ->
-/// `docs/benchmarks/peers-time-scale-X/`).
+/// `docs/benchmarks/peers-time-scale-X/`; `--runs N` with either: the workloads N times,
+/// tables of the medians).
 pub fn peers(args: &[&str]) -> anyhow::Result<()> {
     sh::ensure_venv(&["vllm-router==0.1.17", "sglang-router==0.3.2"])?;
-    let usage = "cargo xtask bench peers [--engine emu|vllm [--model large]] | --time-scale X";
+    let usage = "cargo xtask bench peers [--engine emu|vllm [--model large] [--runs N]] | --time-scale X [--runs N]";
+    let (args, runs) = match args {
+        [rest @ .., "--runs", n] => (rest, Some(positive_whole(n)?)),
+        _ => (args, None),
+    };
+    let runs_args: Vec<String> = runs
+        .map(|n| vec!["--runs".to_owned(), n.to_string()])
+        .unwrap_or_default();
     match args {
-        [] | ["--engine", "emu"] => {}
+        [] | ["--engine", "emu"] if runs.is_none() => {}
         ["--time-scale", scale] => {
             let value = positive(scale)?;
             let out = sh::root().join(format!("docs/benchmarks/peers-time-scale-{value}"));
-            let scale = value.to_string();
-            println!(
-                "{}",
-                stack_bench(&["peers", &out.display().to_string(), "--time-scale", &scale])?
-            );
+            let (out_arg, scale) = (out.display().to_string(), value.to_string());
+            let mut bench_args = vec!["peers", &out_arg, "--time-scale", &scale];
+            bench_args.extend(runs_args.iter().map(String::as_str));
+            println!("{}", stack_bench(&bench_args)?);
             return Ok(());
         }
         _ => {
@@ -356,6 +363,7 @@ pub fn peers(args: &[&str]) -> anyhow::Result<()> {
             let out_arg = out.display().to_string();
             let mut bench_args = vec!["peers", &out_arg, "vllm"];
             bench_args.extend(model.arg());
+            bench_args.extend(runs_args.iter().map(String::as_str));
             println!("{}", stack_bench(&bench_args)?);
             return Ok(());
         }
@@ -364,6 +372,14 @@ pub fn peers(args: &[&str]) -> anyhow::Result<()> {
     let md = stack_bench(&["peers", &out.display().to_string()])?;
     println!("{md}");
     Ok(())
+}
+
+/// `n` as a whole number above 0.
+fn positive_whole(n: &str) -> anyhow::Result<usize> {
+    n.parse::<usize>()
+        .ok()
+        .filter(|n| *n > 0)
+        .with_context(|| format!("--runs {n}: a whole number above 0"))
 }
 
 /// The production scenarios -> `docs/benchmarks/README.md` and `docs/benchmarks/scenarios/`

@@ -61,10 +61,11 @@ commands:
                 GPT-OSS's hybrid attention: docs/benchmarks/scenarios-hybrid/, scenarios-vllm-hybrid/;
                 real vLLM's larger model and a mixed fleet: docs/benchmarks/scenarios-vllm-large/;
                 the emulator at another speed: docs/benchmarks/scenarios-time-scale-X/)
-  bench peers [--engine emu|vllm [--model large]] | --time-scale X
+  bench peers [--engine emu|vllm [--model large] [--runs N]] | --time-scale X [--runs N]
                 vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
                 (real vLLM: docs/benchmarks/peers-vllm/, its larger model: peers-vllm-large/;
-                the emulator at another speed: docs/benchmarks/peers-time-scale-X/)
+                the emulator at another speed: docs/benchmarks/peers-time-scale-X/;
+                --runs N: every workload N times, tables of the medians)
   bench peers-overhead
                 what each router adds per request, three runs -> docs/benchmarks/peers-overhead.md
   bench reliability

@@ -27,6 +27,12 @@ impl Latencies {
     }
 }
 
+/// The median of `values` (the upper one of an even count; NaN if none).
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Milliseconds, for tables.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3

@@ -13,7 +13,7 @@ use anyhow::{Context, bail};
 use serde_json::json;
 use vllm_emu::harness::http;
 
-use crate::load::{Bodies, Latencies, closed_loop, cpu_seconds, ms};
+use crate::load::{Bodies, Latencies, closed_loop, cpu_seconds, median, ms};
 use crate::scenarios::{self, Run, Scenario, queried_tokens};
 use crate::session::salt_as_text;
 use crate::{Stack, StackConfig, poll, root};
@@ -289,24 +289,39 @@ pub fn run_workload(
     )
 }
 
-/// Every workload under every arm, each workload on the engine `engine_for` gives it (real
-/// replicas start once per workload), the arms' order rotated per workload so no router
-/// always runs first or last; the runs listed workload by workload in [`ARMS`] order.
+/// Every workload under every arm, `rounds` times, each workload on the engine
+/// `engine_for` gives it (real replicas start once per workload and serve all its rounds),
+/// the arms' order rotated per workload and per round so no router always runs first or
+/// last; one list of runs per round, workload by workload in [`ARMS`] order.
 pub fn run_all(
     workloads: Vec<Scenario>,
+    rounds: usize,
     mut engine_for: impl FnMut(&Scenario) -> anyhow::Result<scenarios::Engine>,
-) -> anyhow::Result<Vec<Run>> {
+) -> anyhow::Result<Vec<Vec<Run>>> {
     let mut runs = Vec::new();
     for (w, workload) in workloads.iter().enumerate() {
         let mut engine = engine_for(workload)?;
-        for k in 0..ARMS.len() {
-            let arm = ARMS[(k + w) % ARMS.len()];
-            eprintln!("{} under {} ...", workload.name, arm.name);
-            runs.push((w, k, run_workload(&mut engine, workload, arm)?));
+        for round in 0..rounds {
+            for k in 0..ARMS.len() {
+                let a = (k + w + round) % ARMS.len();
+                eprintln!(
+                    "{} under {} (run {} of {rounds}) ...",
+                    workload.name,
+                    ARMS[a].name,
+                    round + 1
+                );
+                runs.push((round, w, a, run_workload(&mut engine, workload, ARMS[a])?));
+            }
         }
     }
-    runs.sort_by_key(|(w, k, _)| (*w, (k + w) % ARMS.len()));
-    Ok(runs.into_iter().map(|(_, _, run)| run).collect())
+    runs.sort_by_key(|(round, w, a, _)| (*round, *w, *a));
+    let mut by_round: Vec<Vec<Run>> = (0..rounds).map(|_| Vec::new()).collect();
+    for (round, _, _, run) in runs {
+        if let Some(list) = by_round.get_mut(round) {
+            list.push(run);
+        }
+    }
+    Ok(by_round)
 }
 
 /// The two-turn reference measurement under every arm, pair by pair in turn.
@@ -728,11 +743,10 @@ fn scenario_tables(
                 ratio(f.throughput, reference.throughput),
             )?;
             chart_rows.push((run.profile.clone(), f.hit_pct, f.oracle_pct));
-            json_runs.push(json!({"workload": run.scenario, "router": run.profile,
-                "requests": f.requests, "failed": f.failed, "hit_pct": f.hit_pct,
-                "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
-                "ttft_p99_ms": f.ttft_p99_ms, "throughput": f.throughput,
-                "token_imbalance": f.token_imbalance}));
+            let mut entry = figures_json(&f);
+            entry["workload"] = json!(run.scenario);
+            entry["router"] = json!(run.profile);
+            json_runs.push(entry);
         }
         let chart = format!("peers/{}.svg", workload.name);
         crate::chart::scenario_chart(
@@ -747,12 +761,14 @@ fn scenario_tables(
 
 /// Writes `README.md`, `peers.json` and the charts of a run of the workloads alone into
 /// `dir` (on real vLLM, or the emulator at another speed): `intro` above the tables, `notes`
-/// below. The two-turn reference and the added latency are left to their own pages: the
-/// first is `bench seed`'s, the second a property of the routers, measured on the
-/// emulator's instant replicas in `peers.md`.
+/// below. `rounds` holds each round's runs: one round gives a table of its figures per
+/// workload, several a table of their medians (see [`median_tables`]). The two-turn
+/// reference and the added latency are left to their own pages: the first is `bench
+/// seed`'s, the second a property of the routers, measured on the emulator's instant
+/// replicas in `peers.md`.
 pub fn write_workloads(
     dir: &Path,
-    runs: &[Run],
+    rounds: &[Vec<Run>],
     page: &WorkloadsPage,
     command: &str,
     machine: &str,
@@ -762,16 +778,160 @@ pub fn write_workloads(
     let mut md = format!("# {}\n\n", page.title);
     writeln!(md, "Command: `{command}`. Machine: {machine}.\n")?;
     md.push_str(&page.intro);
-    let json_runs = scenario_tables(&mut md, dir, runs)?;
+    let results = match rounds {
+        [runs] => json!({"command": command, "machine": machine,
+                         "scenarios": scenario_tables(&mut md, dir, runs)?}),
+        _ => {
+            let (medians, each) = median_tables(&mut md, dir, rounds)?;
+            json!({"command": command, "machine": machine, "runs": rounds.len(),
+                   "medians": medians, "scenarios": each})
+        }
+    };
     md.push_str(&page.notes);
     std::fs::write(
         dir.join("peers/peers.json"),
-        serde_json::to_string_pretty(
-            &json!({"command": command, "machine": machine, "scenarios": json_runs}),
-        )? + "\n",
+        serde_json::to_string_pretty(&results)? + "\n",
     )?;
     std::fs::write(dir.join("README.md"), &md)?;
     Ok(md)
+}
+
+/// The figures of a run as JSON.
+fn figures_json(f: &scenarios::Figures) -> serde_json::Value {
+    json!({"requests": f.requests, "failed": f.failed, "hit_pct": f.hit_pct,
+           "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
+           "ttft_p99_ms": f.ttft_p99_ms, "throughput": f.throughput,
+           "token_imbalance": f.token_imbalance})
+}
+
+/// Several runs of one router on one workload, figure by figure.
+struct Repeated {
+    /// Each run's figures, in run order.
+    runs: Vec<scenarios::Figures>,
+}
+
+impl Repeated {
+    /// The median over the runs of one figure.
+    fn median(&self, figure: impl Fn(&scenarios::Figures) -> f64) -> f64 {
+        median(self.runs.iter().map(figure).collect())
+    }
+
+    /// One figure of every run, as text.
+    fn each(&self, figure: impl Fn(&scenarios::Figures) -> f64, digits: usize) -> String {
+        let cells: Vec<String> = self
+            .runs
+            .iter()
+            .map(|f| format!("{:.digits$}", figure(f)))
+            .collect();
+        cells.join(" / ")
+    }
+}
+
+/// One table and chart per workload of the medians over `rounds` (each figure's median on
+/// its own; hit / oracle is the median of each run's ratio), every run's throughput and
+/// TTFT p99 beside them, and a line weighing kvaffine precise against the best peer
+/// router's medians (a router other than kvaffine's): what issue 16's aims compare.
+/// Returns the medians and every run's figures as JSON.
+fn median_tables(
+    md: &mut String,
+    dir: &Path,
+    rounds: &[Vec<Run>],
+) -> anyhow::Result<(Vec<serde_json::Value>, Vec<serde_json::Value>)> {
+    use std::fmt::Write as _;
+    let (mut medians, mut each) = (Vec::new(), Vec::new());
+    for (r, runs) in rounds.iter().enumerate() {
+        for run in runs {
+            let mut entry = figures_json(&run.figures());
+            entry["workload"] = json!(run.scenario);
+            entry["router"] = json!(run.profile);
+            entry["run"] = json!(r + 1);
+            each.push(entry);
+        }
+    }
+    writeln!(md, "\n## Scenarios, medians of {} runs\n", rounds.len())?;
+    for workload in workloads() {
+        let arms: Vec<(Arm, Repeated)> = ARMS
+            .iter()
+            .filter_map(|arm| {
+                let runs: Vec<scenarios::Figures> = rounds
+                    .iter()
+                    .filter_map(|runs| {
+                        runs.iter()
+                            .find(|r| r.scenario == workload.name && r.profile == arm.name)
+                            .map(Run::figures)
+                    })
+                    .collect();
+                (!runs.is_empty()).then_some((*arm, Repeated { runs }))
+            })
+            .collect();
+        let Some((_, reference)) = arms.first() else {
+            continue;
+        };
+        let (ref_throughput, ref_p99) = (
+            reference.median(|f| f.throughput),
+            reference.median(|f| f.ttft_p99_ms),
+        );
+        writeln!(md, "### {}: {}\n", workload.name, workload.about)?;
+        writeln!(
+            md,
+            "| router | KV hit | oracle | hit / oracle | TTFT p50 | TTFT p99 | TTFT p99, each run | req/s | req/s, each run | failed (all runs) | token imbalance | TTFT p99 vs precise | req/s vs precise |"
+        )?;
+        writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+        let mut chart_rows = Vec::new();
+        for (arm, repeated) in &arms {
+            let hit = repeated.median(|f| f.hit_pct);
+            let oracle = repeated.median(|f| f.oracle_pct);
+            let (p99, throughput) = (
+                repeated.median(|f| f.ttft_p99_ms),
+                repeated.median(|f| f.throughput),
+            );
+            let failed: usize = repeated.runs.iter().map(|f| f.failed).sum();
+            writeln!(
+                md,
+                "| {} | {hit:.1}% | {oracle:.1}% | {:.2} | {:.0} ms | {p99:.0} ms | {} | {throughput:.1} | {} | {failed} | {:.2} | {} | {} |",
+                arm.name,
+                repeated.median(|f| f.hit_pct / f.oracle_pct.max(1e-9)),
+                repeated.median(|f| f.ttft_p50_ms),
+                repeated.each(|f| f.ttft_p99_ms, 0),
+                repeated.each(|f| f.throughput, 1),
+                repeated.median(|f| f.token_imbalance),
+                ratio(p99, ref_p99),
+                ratio(throughput, ref_throughput),
+            )?;
+            chart_rows.push((arm.name.to_owned(), hit, oracle));
+            medians.push(json!({"workload": workload.name, "router": arm.name,
+                "runs": repeated.runs.len(), "failed": failed, "hit_pct": hit,
+                "oracle_pct": oracle, "ttft_p50_ms": repeated.median(|f| f.ttft_p50_ms),
+                "ttft_p99_ms": p99, "throughput": throughput,
+                "token_imbalance": repeated.median(|f| f.token_imbalance)}));
+        }
+        let peers = || {
+            arms.iter()
+                .filter(|(arm, _)| !matches!(arm.router, Router::Kvaffine(_)))
+        };
+        let best_throughput = peers()
+            .map(|(arm, r)| (arm.name, r.median(|f| f.throughput)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let best_p99 = peers()
+            .map(|(arm, r)| (arm.name, r.median(|f| f.ttft_p99_ms)))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        if let (Some((fastest, throughput)), Some((steadiest, p99))) = (best_throughput, best_p99) {
+            writeln!(
+                md,
+                "\nkvaffine precise against the best peer, medians: throughput {} of {fastest}'s, TTFT p99 {} of {steadiest}'s.",
+                ratio(ref_throughput, throughput),
+                ratio(ref_p99, p99),
+            )?;
+        }
+        let chart = format!("peers/{}.svg", workload.name);
+        crate::chart::scenario_chart(
+            &dir.join(&chart),
+            &format!("{}: KV hit by router, medians", workload.name),
+            &chart_rows,
+        )?;
+        writeln!(md, "\n![{}]({chart})\n", workload.name)?;
+    }
+    Ok((medians, each))
 }
 
 /// The words around the tables of a [`write_workloads`] page.
@@ -816,5 +976,79 @@ impl WorkloadsPage {
             intro: fill(include_str!("peers_time_scale_intro.md")),
             notes: fill(include_str!("peers_time_scale_notes.md")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::TurnResult;
+
+    /// A run of `workload` under `arm`: ten requests, all served, over `seconds`, with
+    /// `ttft_ms` each.
+    fn run(workload: &str, arm: Arm, seconds: f64, ttft_ms: u64) -> Run {
+        let turn = TurnResult {
+            ok: true,
+            ttft: Duration::from_millis(ttft_ms),
+            prompt_tokens: 100,
+            cached_tokens: 50,
+            oracle_tokens: 50,
+            replica: "a".into(),
+            reason: "prefix".into(),
+            message: serde_json::Value::Null,
+        };
+        Run {
+            scenario: workload.into(),
+            profile: arm.name.into(),
+            turns: vec![turn; 10],
+            wall: Duration::from_secs_f64(seconds),
+            replicas: vec!["a".into(), "b".into()],
+            replica_tokens: vec![500, 500],
+            learned: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn several_runs_are_tabled_by_their_medians_against_the_best_peer() {
+        // precise: 10, 5 and 2.5 req/s; every peer 2.5 but sglang-router, 10 each run.
+        let walls = [1.0, 2.0, 4.0];
+        let rounds: Vec<Vec<Run>> = walls
+            .iter()
+            .map(|&wall| {
+                ARMS.iter()
+                    .map(|&arm| match arm.router {
+                        Router::Kvaffine("/") => run("concurrency", arm, wall, 100),
+                        Router::SglangRouter(_) => run("concurrency", arm, 1.0, 400),
+                        _ => run("concurrency", arm, 4.0, 200),
+                    })
+                    .collect()
+            })
+            .collect();
+        let dir = std::env::temp_dir().join(format!("kvaffine-peers-{}", std::process::id()));
+        let page = WorkloadsPage {
+            title: "t",
+            intro: String::new(),
+            notes: String::new(),
+        };
+        let md = write_workloads(&dir, &rounds, &page, "c", "m").unwrap();
+        assert!(md.contains("medians of 3 runs"), "{md}");
+        assert!(
+            md.contains("| kvaffine precise | 50.0% | 50.0% | 1.00 | 100 ms | 100 ms | 100 / 100 / 100 | 5.0 | 10.0 / 5.0 / 2.5 | 0 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("throughput 0.50x of sglang-router cache_aware's, TTFT p99 0.50x of vllm-router cache_aware's"),
+            "{md}"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("peers/peers.json")).unwrap())
+                .unwrap();
+        assert_eq!(json["runs"], 3);
+        assert_eq!(json["medians"].as_array().map(Vec::len), Some(ARMS.len()));
+        assert_eq!(
+            json["scenarios"].as_array().map(Vec::len),
+            Some(3 * ARMS.len())
+        );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use vllm_emu::harness::EmuProcess;
 
 use crate::client::post_json;
+use crate::load::median;
 use crate::{Stack, StackConfig};
 
 /// Input tokens of the published continuation.
@@ -72,12 +73,6 @@ pub enum Replicas {
 /// The sliding window of the hybrid runs, as GPT-OSS's.
 pub const HYBRID_WINDOW: &str = "128";
 
-/// The median of `samples` (sorted in place).
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples.get(samples.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// Median latency of a cold [`CONTINUATION_TOKENS`]-token completion on `replica`, and of
 /// the same prompt sent again (served from its cache), over `runs` new prompts.
 fn prefill_cost(
@@ -101,8 +96,8 @@ fn prefill_cost(
         }
     }
     Ok(Replicas::Vllm {
-        cold_ms: median(&mut cold),
-        cached_ms: median(&mut cached),
+        cold_ms: median(cold),
+        cached_ms: median(cached),
         hybrid,
     })
 }

@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 
 use anyhow::{Context, bail};
 use kvaffine_e2e::load::{
-    Bodies, Latencies, chat_body, closed_loop, cpu_seconds, fresh_salts, ms, prose_body, same,
+    Bodies, Latencies, chat_body, closed_loop, cpu_seconds, fresh_salts, median, ms, prose_body,
+    same,
 };
 use kvaffine_e2e::{Stack, StackConfig};
 use serde_json::json;
@@ -68,7 +69,38 @@ fn real_fleet(
     vec![spec.clone(), second]
 }
 
+/// Removes `flag VALUE` from anywhere in `args` and parses VALUE, which `valid` must
+/// accept (`expected` says what it takes); `None` when the flag is absent.
+fn take_flag<T: std::str::FromStr>(
+    args: &mut Vec<String>,
+    flag: &str,
+    valid: impl Fn(&T) -> bool,
+    expected: &str,
+) -> anyhow::Result<Option<T>> {
+    let Some(at) = args.iter().position(|a| a == flag) else {
+        return Ok(None);
+    };
+    let value = args
+        .get(at + 1)
+        .with_context(|| format!("{flag} needs a value"))?
+        .parse::<T>()
+        .ok()
+        .filter(|value| valid(value))
+        .with_context(|| format!("{flag}: {expected}"))?;
+    args.drain(at..at + 2);
+    Ok(Some(value))
+}
+
 fn run(mut args: Vec<String>) -> anyhow::Result<()> {
+    // `--runs N` anywhere, taken first so that a model is still the last argument: the
+    // peers' workloads N times, tables of the medians.
+    let runs = take_flag(
+        &mut args,
+        "--runs",
+        |runs: &usize| *runs > 0,
+        "a whole number above 0",
+    )?
+    .unwrap_or(1);
     // A trailing `hybrid` (the seed and scenario runs on a hybrid-attention model) or
     // `large` (the real-vLLM scenarios and peers on the larger benchmark model).
     let model = match args.last().map(String::as_str) {
@@ -97,20 +129,15 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
         }
         None => false,
     };
-    let time_scale = match args.iter().position(|a| a == "--time-scale") {
-        Some(at) => {
-            let value = args
-                .get(at + 1)
-                .context("--time-scale needs a value")?
-                .parse::<f64>()
-                .ok()
-                .filter(|scale| *scale > 0.0)
-                .context("--time-scale: a positive number")?;
-            args.drain(at..at + 2);
-            Some(value)
-        }
-        None => None,
-    };
+    let time_scale = take_flag(
+        &mut args,
+        "--time-scale",
+        |scale: &f64| *scale > 0.0,
+        "a positive number",
+    )?;
+    if runs > 1 && args.first().is_none_or(|command| command != "peers") {
+        bail!("--runs: only bench peers repeats its runs");
+    }
     match args.first().map(String::as_str) {
         Some("filter") => filter(args.get(1).map_or("hash", String::as_str)),
         Some("filter-profile") => filter_profile(args.get(1).map_or("hash", String::as_str)),
@@ -160,21 +187,23 @@ fn run(mut args: Vec<String>) -> anyhow::Result<()> {
         ),
         Some("peers") if args.get(2).is_some_and(|a| a == "vllm") => peers_vllm(
             args.get(1)
-                .context("usage: bench peers OUT_DIR vllm [large]")?,
+                .context("usage: bench peers OUT_DIR vllm [large] [--runs N]")?,
             model,
+            runs,
         ),
         Some("peers-overhead") => peers_overhead(),
         Some("peers") => {
             let out = args
                 .get(1)
-                .context("usage: bench peers OUT_DIR [PAIRS|--time-scale X]")?;
+                .context("usage: bench peers OUT_DIR [PAIRS|--time-scale X [--runs N]]")?;
             match time_scale {
-                Some(time_scale) => peers_at(out, time_scale),
+                Some(time_scale) => peers_at(out, time_scale, runs),
+                None if runs > 1 => bail!("--runs: with --time-scale or vllm"),
                 None => peers(out, args.get(2).map_or(Ok(12), |p| p.parse())?),
             }
         }
         _ => bail!(
-            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | prefill-shape | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm [NAME]] [hybrid|large] [--time-scale X] [--vllm-shapes] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X] | peers-overhead"
+            "usage: bench filter [hash|qwen|vllm] | filter-profile [hash|qwen] | outcomes | precise-cost | prefill-shape | load | ingest | overload | soak OUT_DIR MINUTES [emu|vllm] | seed OUT_DIR [emu|vllm] [hybrid] | scenarios OUT_DIR [NAME|emu|vllm [NAME]] [hybrid|large] [--time-scale X] [--vllm-shapes] | peers OUT_DIR [PAIRS|vllm [large]|--time-scale X] [--runs N] | peers-overhead"
         ),
     }
 }
@@ -735,12 +764,6 @@ fn steer_round_robin(
     bail!("`/direct/` round robin kept landing on {replica}")
 }
 
-/// The median of `values` (NaN if none).
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 /// Tokens of a chat body, as the replicas' `/tokenize` counts them.
 fn prompt_tokens(stack: &Stack, body: &serde_json::Value) -> anyhow::Result<u64> {
     let replica = stack.upstreams.first().context("no replica")?;
@@ -777,27 +800,42 @@ fn callout_row(
 
 /// `bench peers OUT_DIR --time-scale X`: the peers' workloads alone, on emulated replicas
 /// at another speed than the reference's.
-fn peers_at(out: &str, time_scale: f64) -> anyhow::Result<()> {
+fn peers_at(out: &str, time_scale: f64, runs: usize) -> anyhow::Result<()> {
     use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::Engine;
-    let runs = peers::run_all(peers::workloads(), |_| Ok(Engine::emu_at(time_scale)))?;
+    let rounds = peers::run_all(peers::workloads(), runs, |_| Ok(Engine::emu_at(time_scale)))?;
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
     let md = peers::write_workloads(
         std::path::Path::new(out),
-        &runs,
+        &rounds,
         &peers::WorkloadsPage::time_scale(time_scale),
-        &format!("cargo xtask bench peers --time-scale {time_scale}"),
+        &format!(
+            "cargo xtask bench peers --time-scale {time_scale}{}",
+            runs_arg(runs)
+        ),
         &machine,
     )?;
     println!("{md}");
     Ok(())
 }
 
+/// The `--runs` of a command line, as given (nothing for one run).
+fn runs_arg(runs: usize) -> String {
+    if runs > 1 {
+        format!(" --runs {runs}")
+    } else {
+        String::new()
+    }
+}
+
 /// `bench peers OUT_DIR [PAIRS]`: kvaffine and the peer routers side by side.
 fn peers(out: &str, pairs: usize) -> anyhow::Result<()> {
     use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::Engine;
-    let runs = peers::run_all(peers::workloads(), |_| Ok(Engine::emu()))?;
+    let runs: Vec<_> = peers::run_all(peers::workloads(), 1, |_| Ok(Engine::emu()))?
+        .into_iter()
+        .flatten()
+        .collect();
     eprintln!("two-turn reference, {pairs} pairs per router ...");
     let seed = peers::seed(pairs)?;
     eprintln!("added latency and CPU ...");
@@ -1798,7 +1836,7 @@ fn scenarios_vllm(out: &str, only: Option<&String>, model: BenchModel) -> anyhow
 /// `bench peers OUT_DIR vllm [large]`: the peers' workloads on two real vLLM replicas of
 /// `model` (32-token blocks; a mixed fleet for the large one, see [`real_fleet`]),
 /// started once per workload and reset before every router's run.
-fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
+fn peers_vllm(out: &str, model: BenchModel, runs: usize) -> anyhow::Result<()> {
     use kvaffine_e2e::peers;
     use kvaffine_e2e::scenarios::{Engine, Scenario};
     use kvaffine_e2e::vllm::{VllmProcess, VllmSpec};
@@ -1829,7 +1867,7 @@ fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
             ..workload
         })
         .collect();
-    let runs = peers::run_all(workloads, |workload| {
+    let rounds = peers::run_all(workloads, runs, |workload| {
         Ok(Engine::Vllm {
             replicas: VllmProcess::start_all(&real_fleet(&spec, workload))?,
         })
@@ -1837,9 +1875,9 @@ fn peers_vllm(out: &str, model: BenchModel) -> anyhow::Result<()> {
     let machine = std::env::var("KVAFFINE_MACHINE").unwrap_or_default();
     let md = peers::write_workloads(
         std::path::Path::new(out),
-        &runs,
+        &rounds,
         &peers::WorkloadsPage::vllm(&spec.version, replicas, described),
-        command,
+        &format!("{command}{}", runs_arg(runs)),
         &machine,
     )?;
     println!("{md}");

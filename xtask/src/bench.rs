@@ -332,13 +332,13 @@ pub fn peers_overhead() -> anyhow::Result<()> {
 /// kvaffine against vllm-router and sglang-router -> `docs/benchmarks/peers.md`
 /// (`--engine vllm`: their workloads on real vLLM -> `docs/benchmarks/peers-vllm/`;
 /// `--time-scale X`: on the emulator at another speed ->
-/// `docs/benchmarks/peers-time-scale-X/`; `--runs N` with either: the workloads N times,
-/// tables of the medians).
+/// `docs/benchmarks/peers-time-scale-X/`; `--runs N`, N odd, with either: the workloads N
+/// times, tables of the medians).
 pub fn peers(args: &[&str]) -> anyhow::Result<()> {
     sh::ensure_venv(&["vllm-router==0.1.17", "sglang-router==0.3.2"])?;
     let usage = "cargo xtask bench peers [--engine emu|vllm [--model large] [--runs N]] | --time-scale X [--runs N]";
     let (args, runs) = match args {
-        [rest @ .., "--runs", n] => (rest, Some(positive_whole(n)?)),
+        [rest @ .., "--runs", n] => (rest, Some(odd_runs(n)?)),
         _ => (args, None),
     };
     let runs_args: Vec<String> = runs
@@ -374,12 +374,12 @@ pub fn peers(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `n` as a whole number above 0.
-fn positive_whole(n: &str) -> anyhow::Result<usize> {
+/// `n` as an odd whole number, so that each median is one run's figure.
+fn odd_runs(n: &str) -> anyhow::Result<usize> {
     n.parse::<usize>()
         .ok()
-        .filter(|n| *n > 0)
-        .with_context(|| format!("--runs {n}: a whole number above 0"))
+        .filter(|n| n % 2 == 1)
+        .with_context(|| format!("--runs {n}: an odd whole number"))
 }
 
 /// The production scenarios -> `docs/benchmarks/README.md` and `docs/benchmarks/scenarios/`

@@ -65,7 +65,7 @@ commands:
                 vllm-router and sglang-router side by side with kvaffine -> docs/benchmarks/peers.md
                 (real vLLM: docs/benchmarks/peers-vllm/, its larger model: peers-vllm-large/;
                 the emulator at another speed: docs/benchmarks/peers-time-scale-X/;
-                --runs N: every workload N times, tables of the medians)
+                --runs N, N odd: every workload N times, tables of the medians)
   bench peers-overhead
                 what each router adds per request, three runs -> docs/benchmarks/peers-overhead.md
   bench reliability

@@ -317,9 +317,7 @@ pub fn run_all(
     runs.sort_by_key(|(round, w, a, _)| (*round, *w, *a));
     let mut by_round: Vec<Vec<Run>> = (0..rounds).map(|_| Vec::new()).collect();
     for (round, _, _, run) in runs {
-        if let Some(list) = by_round.get_mut(round) {
-            list.push(run);
-        }
+        by_round[round].push(run);
     }
     Ok(by_round)
 }
@@ -743,10 +741,7 @@ fn scenario_tables(
                 ratio(f.throughput, reference.throughput),
             )?;
             chart_rows.push((run.profile.clone(), f.hit_pct, f.oracle_pct));
-            let mut entry = figures_json(&f);
-            entry["workload"] = json!(run.scenario);
-            entry["router"] = json!(run.profile);
-            json_runs.push(entry);
+            json_runs.push(run_json(run));
         }
         let chart = format!("peers/{}.svg", workload.name);
         crate::chart::scenario_chart(
@@ -796,9 +791,11 @@ pub fn write_workloads(
     Ok(md)
 }
 
-/// The figures of a run as JSON.
-fn figures_json(f: &scenarios::Figures) -> serde_json::Value {
-    json!({"requests": f.requests, "failed": f.failed, "hit_pct": f.hit_pct,
+/// A run's figures as JSON.
+fn run_json(run: &Run) -> serde_json::Value {
+    let f = run.figures();
+    json!({"workload": run.scenario, "router": run.profile,
+           "requests": f.requests, "failed": f.failed, "hit_pct": f.hit_pct,
            "oracle_pct": f.oracle_pct, "ttft_p50_ms": f.ttft_p50_ms,
            "ttft_p99_ms": f.ttft_p99_ms, "throughput": f.throughput,
            "token_imbalance": f.token_imbalance})
@@ -829,8 +826,9 @@ impl Repeated {
 
 /// One table and chart per workload of the medians over `rounds` (each figure's median on
 /// its own; hit / oracle is the median of each run's ratio), every run's throughput and
-/// TTFT p99 beside them, and a line weighing kvaffine precise against the best peer
-/// router's medians (a router other than kvaffine's): what issue 16's aims compare.
+/// TTFT p99 beside them, and a line weighing kvaffine precise against the best medians of
+/// the routers other than kvaffine's (round robin among them): what issue 16's aims
+/// compare.
 /// Returns the medians and every run's figures as JSON.
 fn median_tables(
     md: &mut String,
@@ -841,9 +839,7 @@ fn median_tables(
     let (mut medians, mut each) = (Vec::new(), Vec::new());
     for (r, runs) in rounds.iter().enumerate() {
         for run in runs {
-            let mut entry = figures_json(&run.figures());
-            entry["workload"] = json!(run.scenario);
-            entry["router"] = json!(run.profile);
+            let mut entry = run_json(run);
             entry["run"] = json!(r + 1);
             each.push(entry);
         }
@@ -864,7 +860,7 @@ fn median_tables(
                 (!runs.is_empty()).then_some((*arm, Repeated { runs }))
             })
             .collect();
-        let Some((_, reference)) = arms.first() else {
+        let Some((_, reference)) = arms.iter().find(|(arm, _)| arm.name == ARMS[0].name) else {
             continue;
         };
         let (ref_throughput, ref_p99) = (
@@ -900,7 +896,7 @@ fn median_tables(
             )?;
             chart_rows.push((arm.name.to_owned(), hit, oracle));
             medians.push(json!({"workload": workload.name, "router": arm.name,
-                "runs": repeated.runs.len(), "failed": failed, "hit_pct": hit,
+                "runs": repeated.runs.len(), "failed_all_runs": failed, "hit_pct": hit,
                 "oracle_pct": oracle, "ttft_p50_ms": repeated.median(|f| f.ttft_p50_ms),
                 "ttft_p99_ms": p99, "throughput": throughput,
                 "token_imbalance": repeated.median(|f| f.token_imbalance)}));
@@ -918,7 +914,7 @@ fn median_tables(
         if let (Some((fastest, throughput)), Some((steadiest, p99))) = (best_throughput, best_p99) {
             writeln!(
                 md,
-                "\nkvaffine precise against the best peer, medians: throughput {} of {fastest}'s, TTFT p99 {} of {steadiest}'s.",
+                "\nkvaffine precise against the best of the other routers (round robin included), medians: throughput {} of {fastest}'s, TTFT p99 {} of {steadiest}'s.",
                 ratio(ref_throughput, throughput),
                 ratio(ref_p99, p99),
             )?;
@@ -1010,14 +1006,15 @@ mod tests {
 
     #[test]
     fn several_runs_are_tabled_by_their_medians_against_the_best_peer() {
-        // precise: 10, 5 and 2.5 req/s; every peer 2.5 but sglang-router, 10 each run.
-        let walls = [1.0, 2.0, 4.0];
-        let rounds: Vec<Vec<Run>> = walls
+        // precise, run by run: 5, 2.5 and 10 req/s, TTFT 300, 100 and 200 ms (so each
+        // median is the middle run's, not the first's or the last's); every other router
+        // 2.5 req/s and 200 ms, but sglang-router 10 req/s and 400 ms.
+        let rounds: Vec<Vec<Run>> = [(2.0, 300), (4.0, 100), (1.0, 200)]
             .iter()
-            .map(|&wall| {
+            .map(|&(wall, ttft)| {
                 ARMS.iter()
                     .map(|&arm| match arm.router {
-                        Router::Kvaffine("/") => run("concurrency", arm, wall, 100),
+                        Router::Kvaffine("/") => run("concurrency", arm, wall, ttft),
                         Router::SglangRouter(_) => run("concurrency", arm, 1.0, 400),
                         _ => run("concurrency", arm, 4.0, 200),
                     })
@@ -1033,17 +1030,19 @@ mod tests {
         let md = write_workloads(&dir, &rounds, &page, "c", "m").unwrap();
         assert!(md.contains("medians of 3 runs"), "{md}");
         assert!(
-            md.contains("| kvaffine precise | 50.0% | 50.0% | 1.00 | 100 ms | 100 ms | 100 / 100 / 100 | 5.0 | 10.0 / 5.0 / 2.5 | 0 |"),
+            md.contains("| kvaffine precise | 50.0% | 50.0% | 1.00 | 200 ms | 200 ms | 300 / 100 / 200 | 5.0 | 5.0 / 2.5 / 10.0 | 0 |"),
             "{md}"
         );
         assert!(
-            md.contains("throughput 0.50x of sglang-router cache_aware's, TTFT p99 0.50x of vllm-router cache_aware's"),
+            md.contains("medians: throughput 0.50x of sglang-router cache_aware's, TTFT p99 1.00x of vllm-router cache_aware's"),
             "{md}"
         );
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("peers/peers.json")).unwrap())
                 .unwrap();
         assert_eq!(json["runs"], 3);
+        assert_eq!(json["scenarios"][0]["run"], 1);
+        assert_eq!(json["scenarios"][ARMS.len()]["run"], 2);
         assert_eq!(json["medians"].as_array().map(Vec::len), Some(ARMS.len()));
         assert_eq!(
             json["scenarios"].as_array().map(Vec::len),

@@ -93,12 +93,12 @@ fn take_flag<T: std::str::FromStr>(
 
 fn run(mut args: Vec<String>) -> anyhow::Result<()> {
     // `--runs N` anywhere, taken first so that a model is still the last argument: the
-    // peers' workloads N times, tables of the medians.
+    // peers' workloads N times (N odd), tables of the medians.
     let runs = take_flag(
         &mut args,
         "--runs",
-        |runs: &usize| *runs > 0,
-        "a whole number above 0",
+        |runs: &usize| runs % 2 == 1,
+        "an odd whole number (so that each median is one run's figure)",
     )?
     .unwrap_or(1);
     // A trailing `hybrid` (the seed and scenario runs on a hybrid-attention model) or

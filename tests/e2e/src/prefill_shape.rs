@@ -211,11 +211,11 @@ fn row(
         );
         seconds.push(took);
     }
-    seconds.sort_by(f64::total_cmp);
+    anyhow::ensure!(!seconds.is_empty(), "no request");
     Ok(Sample {
         cached: prefix.len() as f64,
         computed: new as f64,
-        seconds: *seconds.get(seconds.len() / 2).context("no request")?,
+        seconds: crate::load::median(seconds),
     })
 }
 

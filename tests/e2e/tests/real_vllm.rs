@@ -762,14 +762,12 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
             eprintln!("{name}: served {} cold turns, not compared", own.len());
             continue;
         }
-        let mut predicted: Vec<f64> = own
-            .iter()
-            .map(|(_, tokens)| speed.request_seconds(*tokens as f64, 0.0))
-            .collect();
-        let mut took: Vec<f64> = own.iter().map(|(seconds, _)| *seconds).collect();
-        predicted.sort_by(f64::total_cmp);
-        took.sort_by(f64::total_cmp);
-        let (predicted, took) = (predicted[own.len() / 2], took[own.len() / 2]);
+        let predicted = kvaffine_e2e::load::median(
+            own.iter()
+                .map(|(_, tokens)| speed.request_seconds(*tokens as f64, 0.0))
+                .collect(),
+        );
+        let took = kvaffine_e2e::load::median(own.iter().map(|(seconds, _)| *seconds).collect());
         eprintln!(
             "{name}: its {} cold turns took {took:.3} s (median), its measured speed predicts a {predicted:.3} s prefill",
             own.len()
@@ -796,6 +794,7 @@ fn sequential_continuations(replicas: &mut [VllmProcess]) -> anyhow::Result<()> 
 /// `vllm:request_prefill_time_seconds`) better than the linear model fitted to the same
 /// requests after the fact.
 fn learned_prefill_costs(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
+    use kvaffine_e2e::load::median;
     use kvaffine_e2e::prefill_shape::{Shapes, linear_fit, measure_on, measured_speed, scraped_by};
     let stack = stack(replicas)?;
     stack.wait_scraped()?;
@@ -840,10 +839,6 @@ fn learned_prefill_costs(replicas: &mut [VllmProcess]) -> anyhow::Result<()> {
             error(by_linear, row.seconds),
         ));
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
     let learned_error = median(errors.iter().map(|e| e.0).collect());
     let linear_error = median(errors.iter().map(|e| e.1).collect());
     eprintln!(

@@ -64,17 +64,23 @@ const MAX_ALONE_SURPRISE: f64 = 1.25;
 
 /// Within the samples of requests alone, one that took more than this many times what the
 /// fit of them all says is left out of it, the slowest first, while more than
-/// [`MIN_ALONE_SAMPLES`] remain: it paid for something no other request did. A fresh real
-/// vLLM 0.24.0 replica's first request (512 tokens, cold) took 114-159 ms where the fit of
-/// the next nine put it at about 25 ms (5.9 times), and fitted with them it made the learned
-/// figures price vLLM's own prefills 28-41% off (median) instead of 7%; the rest of those
-/// requests came within 0.77-1.35 times the fit (the e2e check
-/// `kvaffined_learns_what_context_costs_the_replica`, 2026-12-08 00:20 UTC).
+/// [`MIN_ALONE_SAMPLES`] remain and at most a quarter are left out: it paid for something
+/// the others did not. A fresh real vLLM 0.24.0 replica's first request (512 tokens, cold)
+/// took 114-169 ms in seven runs where the fit of the requests after it put it at 16-23 ms,
+/// and fitted with them it made the learned figures price vLLM's own prefills 28-41% off
+/// (median); the rest of those requests came within 0.77-1.35 times the fit (the e2e check
+/// `kvaffined_learns_what_context_costs_the_replica`, 2026-12-07 23:47 to 2026-12-08 00:38
+/// UTC). Only slower samples are left out: a request alone is not sped up by anything
+/// else.
 const MAX_ALONE_OUTLIER: f64 = 1.5;
 
-/// The requests alone kept for the fit, the newest: the oldest of them weighs
-/// `DECAY^64`, 4% of the newest.
+/// The requests alone kept for the fit, the newest: the oldest of them weighs `DECAY^63`,
+/// 4% of the newest.
 const ALONE_WINDOW: usize = 64;
+
+/// Below this share of its own prediction left to the others, a sample decides a
+/// coefficient alone (one less its leverage, in exact arithmetic zero).
+const MIN_SHARE_LEFT: f64 = 1e-9;
 
 /// Samples in a row that seem alone and are too slow for the fit of requests alone that are
 /// left out; one more, and that fit starts afresh: a burst's last request is one now and
@@ -96,8 +102,8 @@ const MIN_CONDITION: f64 = 0.05;
 
 /// Below this share of its diagonal, a pivot of the shape's fit says the samples do not
 /// tell that column from the ones before it. Lower than [`MIN_CONDITION`]: which fit is
-/// taken is judged by how each predicts the samples it was not fitted to, which a fit of
-/// noise does badly; this bound keeps out only the near-ties of requests of about one
+/// taken is judged by how each predicts each sample from the others, which a fit of noise
+/// does badly; this bound keeps out only the near-ties of requests of about one
 /// shape (a hot prompt's). The e2e check's requests alone on real vLLM 0.24.0 (cold
 /// prefills of 512 to 4,096 tokens, and 32 to 1,280 after 1,024 and 4,096 cached) told the
 /// context from the fixed cost and the computed tokens at 0.047, and all four terms apart
@@ -213,7 +219,6 @@ struct Sums {
     xt: [f64; FEATURES],
     x: [f64; FEATURES],
     t: f64,
-    tt: f64,
 }
 
 impl Sums {
@@ -231,7 +236,6 @@ impl Sums {
             self.x[i] = self.x[i] * decay + weight * xi;
         }
         self.t = self.t * decay + weight * t;
-        self.tt = self.tt * decay + weight * t * t;
     }
 
     /// The fit, or None without enough evidence (`requests` and `tokens` seen in all, not
@@ -301,26 +305,29 @@ impl Sums {
 }
 
 /// How [`fit_shape`] treats the cost of cached tokens or of context.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Hold {
     /// Fitted to the samples.
     Fitted,
-    /// Held at zero.
+    /// Held at zero: its fit comes out below zero, or leaves the samples worse predicted.
     Zero,
-    /// Held at the figure known before.
+    /// Held at the figure known: the samples do not tell it apart.
     Known,
 }
 
-/// A request that ran alone: its features and its seconds.
+/// A request that ran alone.
 #[derive(Clone, Copy, Debug)]
 struct AloneSample {
+    /// Its features.
     x: [f64; FEATURES],
+    /// Its prefill seconds, as vLLM reported them.
     t: f64,
 }
 
 /// The fit of the requests alone in `samples` (oldest first), each weighing `DECAY` to the
-/// power of the samples after it, with [`MAX_ALONE_OUTLIER`]s left out. None when even all
-/// of them do not tell the terms apart.
+/// power of the kept samples after it, with up to a quarter of them left out as
+/// [`MAX_ALONE_OUTLIER`]s, the slowest first, while more than [`MIN_ALONE_SAMPLES`] remain.
+/// None when no fit qualifies (see [`fit_shape`]).
 fn fit_alone(samples: &VecDeque<AloneSample>, known: Shape) -> Option<Fit> {
     let fit_of = |kept: &[bool]| {
         let mut weight = 1.0;
@@ -339,14 +346,14 @@ fn fit_alone(samples: &VecDeque<AloneSample>, known: Shape) -> Option<Fit> {
     };
     let mut kept = vec![true; samples.len()];
     let mut fit = fit_of(&kept)?;
-    while kept.iter().filter(|k| **k).count() > MIN_ALONE_SAMPLES {
+    let mut left_out = 0;
+    while left_out < samples.len() / 4 && samples.len() - left_out > MIN_ALONE_SAMPLES {
         let slowest = samples
             .iter()
             .zip(&kept)
             .enumerate()
             .filter(|(_, (_, k))| **k)
-            .map(|(i, (sample, _))| (i, sample.t / fit.seconds(&sample.x)))
-            .filter(|(_, surprise)| surprise.is_finite())
+            .map(|(i, (sample, _))| (i, surprise(sample.t, fit.seconds(&sample.x))))
             .max_by(|a, b| a.1.total_cmp(&b.1));
         let Some((at, surprise)) = slowest else { break };
         if surprise <= MAX_ALONE_OUTLIER {
@@ -355,6 +362,7 @@ fn fit_alone(samples: &VecDeque<AloneSample>, known: Shape) -> Option<Fit> {
         if let Some(slot) = kept.get_mut(at) {
             *slot = false;
         }
+        left_out += 1;
         match fit_of(&kept) {
             Some(without) => fit = without,
             None => break,
@@ -363,16 +371,30 @@ fn fit_alone(samples: &VecDeque<AloneSample>, known: Shape) -> Option<Fit> {
     Some(fit)
 }
 
+/// How many times what a fit `expected` a sample `took`: any time where none was expected
+/// is infinitely many, none where none was expected once.
+fn surprise(took: f64, expected: f64) -> f64 {
+    if expected > 0.0 {
+        took / expected
+    } else if took > 0.0 {
+        f64::INFINITY
+    } else {
+        1.0
+    }
+}
+
 /// The shape of requests alone, from `samples` and their weights. The fixed cost and the
-/// computed tokens are always fitted; the cost of cached tokens and that of context are
-/// each fitted, or held at zero, or held at `known`'s figure, and of these nine fits,
-/// those with no coefficient below zero and columns the samples tell apart are weighed by
-/// how well each predicts every sample from the others (the weighted squared error of
-/// leaving each out in turn): the best is taken, or None if there is none. A term the
-/// samples barely tell from the others (the context of cold prefills of 512 to 4,096
-/// tokens, nearly the square of their size) fits their noise as well as their cost, and
-/// predicts the sample left out badly; one they never showed (no cached token yet) keeps
-/// `known`'s figure.
+/// computed tokens are always fitted. The cost of cached tokens and that of context are
+/// each fitted or held at zero when the samples tell it apart from those two (one of them
+/// fitted with them passes [`MIN_SHAPE_CONDITION`]), else held at `known`'s figure: four
+/// fits at most. Of those with no coefficient below zero, the one that best predicts each
+/// sample from the others (the weighted squared error of leaving each out in turn) is
+/// taken; None if there is none. A term the samples barely tell apart (the context of cold
+/// prefills of 512 to 4,096 tokens, nearly the square of their size) fits their noise as
+/// well as their cost, and predicts the sample left out badly; one that a single sample
+/// decides predicts it not at all, and its fit is not taken. A term the samples do not tell
+/// apart is not held at zero: a hot prompt's requests, all of one shape, would explain
+/// their context by the speed and lose what other requests taught.
 ///
 /// Fitted to their squared error alone, with only the fits of every term and those holding
 /// one term at zero, the requests alone on real vLLM 0.24.0 of the e2e check found none
@@ -388,51 +410,60 @@ fn fit_shape(samples: &[(AloneSample, f64)], known: Shape) -> Option<Fit> {
     if !(seen(REQUESTS) && seen(COMPUTED)) {
         return None;
     }
-    let choices = |i: usize| {
-        if seen(i) {
-            &[Hold::Fitted, Hold::Zero, Hold::Known][..]
+    let choices = |term: usize| {
+        let alone = if term == CACHED {
+            Columns::new(Hold::Fitted, Hold::Zero, known)
+        } else {
+            Columns::new(Hold::Zero, Hold::Fitted, known)
+        };
+        if seen(term) && alone.solve(&sums).is_some() {
+            &[Hold::Fitted, Hold::Zero][..]
         } else {
             &[Hold::Known][..]
         }
     };
+    let context_choices = choices(CONTEXT);
     choices(CACHED)
         .iter()
         .flat_map(|&cached| {
-            choices(CONTEXT)
+            context_choices
                 .iter()
                 .map(move |&context| (cached, context))
         })
         .filter_map(|(cached, context)| {
             let columns = Columns::new(cached, context, known);
-            let fit = columns.fit(&sums)?;
-            let predicted_from_the_others = samples
-                .iter()
-                .map(|(sample, weight)| {
-                    let mut others = sums;
-                    others.add(sample.x, sample.t, -weight, 1.0);
-                    let coefficients = columns.solve(&others)?;
-                    let error = sample.t - columns.seconds(&coefficients, &sample.x);
-                    Some(weight * error * error)
-                })
-                .sum::<Option<f64>>()?;
-            Some((fit, predicted_from_the_others))
+            let solved = columns.solve(&sums)?;
+            let fit = columns.fit(&solved.coefficients)?;
+            let error = columns.left_out_error(&solved, samples);
+            error.is_finite().then_some((fit, error))
         })
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(fit, _)| fit)
 }
 
-/// The columns of one of [`fit_shape`]'s fits, each a combination of the features: the
-/// requests, the work (computed tokens, plus the terms held at `known`'s figure), then each
-/// term fitted.
+/// One of [`fit_shape`]'s fits.
 struct Columns {
+    /// Each a combination of the features: the requests, the work (the computed tokens,
+    /// plus the terms held at a figure), then each term fitted, cached tokens first.
     columns: Vec<[f64; FEATURES]>,
+    /// How the cost of cached tokens is treated.
     cached: Hold,
+    /// How the cost of context is treated.
     context: Hold,
-    known: Shape,
+    /// The figures the terms held at a figure are held at.
+    held: Shape,
+}
+
+/// A fit's coefficients, by column, and the inverse of its normal matrix (what a sample's
+/// leverage is read from).
+struct Solved {
+    coefficients: Vec<f64>,
+    inverse: Vec<Vec<f64>>,
 }
 
 impl Columns {
-    fn new(cached: Hold, context: Hold, known: Shape) -> Self {
+    /// The columns of the fit that holds cached tokens and context as given.
+    fn new(cached: Hold, context: Hold, held: Shape) -> Self {
         let unit = |i: usize| {
             let mut column = [0.0; FEATURES];
             column[i] = 1.0;
@@ -441,8 +472,8 @@ impl Columns {
         let mut work = unit(COMPUTED);
         let mut fitted = Vec::new();
         for (feature, hold, figure) in [
-            (CACHED, cached, known.cached),
-            (CONTEXT, context, known.context),
+            (CACHED, cached, held.cached),
+            (CONTEXT, context, held.context),
         ] {
             match hold {
                 Hold::Fitted => fitted.push(unit(feature)),
@@ -456,39 +487,37 @@ impl Columns {
             columns,
             cached,
             context,
-            known,
+            held,
         }
     }
 
-    /// Seconds a sample of features `x` takes by `coefficients`.
-    fn seconds(&self, coefficients: &[f64], x: &[f64; FEATURES]) -> f64 {
+    /// Each column's value for a sample of features `x`.
+    fn values(&self, x: &[f64; FEATURES]) -> Vec<f64> {
         self.columns
             .iter()
-            .zip(coefficients)
-            .map(|(column, c)| c * column.iter().zip(x).map(|(a, b)| a * b).sum::<f64>())
-            .sum()
+            .map(|column| column.iter().zip(x).map(|(a, b)| a * b).sum())
+            .collect()
     }
 
-    /// The fit, if the samples tell the columns apart and no coefficient is below zero.
-    fn fit(&self, sums: &Sums) -> Option<Fit> {
-        let solved = self.solve(sums)?;
-        if solved.iter().any(|c| *c < 0.0) {
+    /// The fit of `coefficients`, if none is below zero.
+    fn fit(&self, coefficients: &[f64]) -> Option<Fit> {
+        if coefficients.iter().any(|c| *c < 0.0) {
             return None;
         }
-        let (&per_request, rest) = solved.split_first()?;
+        let (&per_request, rest) = coefficients.split_first()?;
         let (&per_token, fitted) = rest.split_first()?;
         if per_token <= 0.0 {
             return None;
         }
         let mut fitted = fitted.iter().map(|c| c / per_token);
-        let mut figure = |hold, known| match hold {
+        let mut figure = |hold, held| match hold {
             Hold::Fitted => fitted.next(),
             Hold::Zero => Some(0.0),
-            Hold::Known => Some(known),
+            Hold::Known => Some(held),
         };
         let shape = Shape {
-            cached: figure(self.cached, self.known.cached)?,
-            context: figure(self.context, self.known.context)?,
+            cached: figure(self.cached, self.held.cached)?,
+            context: figure(self.context, self.held.context)?,
         };
         Some(Fit {
             per_request,
@@ -498,16 +527,41 @@ impl Columns {
         })
     }
 
-    /// Solves the normal equations of the fit of `sums`' seconds to the columns, by
-    /// elimination on the matrix scaled to a unit diagonal; None if a pivot falls below
-    /// [`MIN_SHAPE_CONDITION`] (the samples do not tell a column apart from the ones before
-    /// it).
-    fn solve(&self, sums: &Sums) -> Option<Vec<f64>> {
+    /// The weighted squared error of predicting each sample from the others: its residual
+    /// over one less its leverage (its own weight in its prediction), as refitting without
+    /// it gives. Infinite when a sample alone decides a coefficient.
+    fn left_out_error(&self, solved: &Solved, samples: &[(AloneSample, f64)]) -> f64 {
+        samples
+            .iter()
+            .map(|(sample, weight)| {
+                let values = self.values(&sample.x);
+                let dot =
+                    |a: &[f64], b: &[f64]| -> f64 { a.iter().zip(b).map(|(x, y)| x * y).sum() };
+                let predicted = dot(&values, &solved.coefficients);
+                let leverage: f64 = weight
+                    * values
+                        .iter()
+                        .zip(&solved.inverse)
+                        .map(|(v, row)| v * dot(row, &values))
+                        .sum::<f64>();
+                let own_share_left = 1.0 - leverage;
+                if own_share_left <= MIN_SHARE_LEFT {
+                    return f64::INFINITY;
+                }
+                let residual = (sample.t - predicted) / own_share_left;
+                weight * residual * residual
+            })
+            .sum()
+    }
+
+    /// Solves the normal equations of the fit of `sums`' seconds to the columns and inverts
+    /// their matrix, by Gauss-Jordan elimination on it scaled to a unit diagonal; None if a
+    /// pivot falls below [`MIN_SHAPE_CONDITION`] (the samples do not tell a column apart
+    /// from the ones before it).
+    fn solve(&self, sums: &Sums) -> Option<Solved> {
         let dot = |a: &[f64; FEATURES], b: &[f64; FEATURES]| -> f64 {
             a.iter().zip(b).map(|(x, y)| x * y).sum()
         };
-        let columns = &self.columns;
-        let m = columns.len();
         let gram = |a: &[f64; FEATURES], b: &[f64; FEATURES]| -> f64 {
             sums.xx
                 .iter()
@@ -515,40 +569,64 @@ impl Columns {
                 .map(|(row, ai)| ai * dot(row, b))
                 .sum()
         };
+        let columns = &self.columns;
+        let m = columns.len();
         let scale: Vec<f64> = columns.iter().map(|c| gram(c, c).sqrt()).collect();
-        let mut a: Vec<Vec<f64>> = columns
+        // Each row: the scaled matrix's, the identity's, the scaled right-hand side.
+        let mut rows: Vec<Vec<f64>> = columns
             .iter()
             .zip(&scale)
-            .map(|(ci, si)| {
+            .enumerate()
+            .map(|(i, (ci, si))| {
                 let mut row: Vec<f64> = columns
                     .iter()
                     .zip(&scale)
                     .map(|(cj, sj)| gram(ci, cj) / (si * sj))
                     .collect();
+                row.extend((0..m).map(|j| if i == j { 1.0 } else { 0.0 }));
                 row.push(dot(ci, &sums.xt) / si);
                 row
             })
             .collect();
         for p in 0..m {
-            let pivot_row = a[p].clone();
-            let pivot = pivot_row[p];
+            let pivot = rows.get(p).and_then(|row| row.get(p)).copied()?;
             // NaN fails too.
             if pivot.partial_cmp(&MIN_SHAPE_CONDITION) != Some(std::cmp::Ordering::Greater) {
                 return None;
             }
-            for row in a.iter_mut().skip(p + 1) {
-                let factor = row[p] / pivot;
-                for (cell, above) in row.iter_mut().zip(&pivot_row).skip(p) {
+            let pivot_row: Vec<f64> = rows.get(p)?.iter().map(|v| v / pivot).collect();
+            for (r, row) in rows.iter_mut().enumerate() {
+                if r == p {
+                    row.clone_from(&pivot_row);
+                    continue;
+                }
+                let factor = row.get(p).copied().unwrap_or(0.0);
+                for (cell, above) in row.iter_mut().zip(&pivot_row) {
                     *cell -= factor * above;
                 }
             }
         }
-        let mut scaled = vec![0.0; m];
-        for p in (0..m).rev() {
-            let rest: f64 = (p + 1..m).map(|c| a[p][c] * scaled[c]).sum();
-            scaled[p] = (a[p][m] - rest) / a[p][p];
-        }
-        Some(scaled.iter().zip(&scale).map(|(v, s)| v / s).collect())
+        let coefficients = rows
+            .iter()
+            .zip(&scale)
+            .map(|(row, s)| row.get(2 * m).map(|y| y / s))
+            .collect::<Option<Vec<f64>>>()?;
+        let inverse = rows
+            .iter()
+            .zip(&scale)
+            .map(|(row, si)| {
+                row.iter()
+                    .skip(m)
+                    .take(m)
+                    .zip(&scale)
+                    .map(|(v, sj)| v / (si * sj))
+                    .collect()
+            })
+            .collect();
+        Some(Solved {
+            coefficients,
+            inverse,
+        })
     }
 }
 
@@ -1258,6 +1336,33 @@ mod tests {
             "{kept:?}"
         );
         assert!((kept.tokens_per_second / speed.tokens_per_second - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn a_hot_prompts_noisy_requests_keep_the_shape_within_reason() {
+        let (mut learner, learned) = learned_large();
+        // A hot prompt's requests alone: 7,168 cached tokens, 120 to 135 new ones, each
+        // taking its time within 10% either way, long enough for the requests of other
+        // shapes to leave the window.
+        let requests = (0..100).map(|i| (120.0 + f64::from(i % 16), 7168.0));
+        let noise = |k: f64| 1.0 + 0.1 * (k * 1.7).sin();
+        feed_scrapes(
+            &mut learner,
+            requests,
+            |k, c| large(k, c) * noise(k),
+            Instant::now(),
+            |_| true,
+        );
+        let kept = learner.measured().unwrap();
+        // What a cold prefill of 4,096 tokens and a continuation of 2,560 after 7,168
+        // cost by the shape learned from requests of many shapes and by the one kept.
+        for (k, c) in [(4096.0, 0.0), (2560.0, 7168.0)] {
+            let ratio = kept.request_seconds(k, c) / learned.request_seconds(k, c);
+            assert!(
+                (0.75..1.25).contains(&ratio),
+                "{ratio} {kept:?} {learned:?}"
+            );
+        }
     }
 
     #[test]

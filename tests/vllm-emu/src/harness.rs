@@ -103,25 +103,35 @@ pub fn dechunk(mut body: &str) -> String {
     out
 }
 
+/// Where [`spawn_announcing`] keeps each quiet child's stderr when set (a directory):
+/// a benchmark's daemon logs (with `RUST_LOG=kvaffined=debug`, its picks passed over a
+/// longer match and its prefill samples) to read after the run.
+pub const CHILD_LOGS_ENV: &str = "KVAFFINE_CHILD_LOGS";
+
 /// Starts `program` and returns it with the first line it prints on stdout (where the
 /// workspace's servers announce the address they bound). With `quiet`, its stderr is kept
-/// out of the terminal; if it exits without announcing, the line returned is the end of
-/// that stderr, so the caller's error says why.
+/// out of the terminal (in [`CHILD_LOGS_ENV`]'s directory if set, else in a file removed
+/// at once); if it exits without announcing, the line returned is the end of that stderr,
+/// so the caller's error says why.
 pub fn spawn_announcing(
     program: &std::path::Path,
     args: &[String],
     quiet: bool,
 ) -> (Child, String) {
     static SPAWNED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let log = std::env::temp_dir().join(format!(
-        "kvaffine-{}-{}-{}.stderr",
-        program
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("child"),
-        std::process::id(),
-        SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ));
+    let kept = std::env::var_os(CHILD_LOGS_ENV).map(std::path::PathBuf::from);
+    let log = kept
+        .clone()
+        .unwrap_or_else(std::env::temp_dir)
+        .join(format!(
+            "kvaffine-{}-{}-{}.stderr",
+            program
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("child"),
+            std::process::id(),
+            SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
     let stderr = match quiet.then(|| std::fs::File::create(&log)) {
         Some(Ok(file)) => Stdio::from(file),
         Some(Err(_)) => Stdio::null(),
@@ -153,7 +163,9 @@ pub fn spawn_announcing(
             line = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
         }
         // The child keeps writing to the unlinked file; nothing is left behind.
-        let _ = std::fs::remove_file(&log);
+        if kept.is_none() {
+            let _ = std::fs::remove_file(&log);
+        }
     }
     (child, line)
 }

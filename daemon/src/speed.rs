@@ -78,9 +78,11 @@ const MAX_ALONE_OUTLIER: f64 = 1.5;
 /// 4% of the newest.
 const ALONE_WINDOW: usize = 64;
 
-/// Below this share of its own prediction left to the others, a sample decides a
-/// coefficient alone (one less its leverage, in exact arithmetic zero).
-const MIN_SHARE_LEFT: f64 = 1e-9;
+/// Below this share of its own prediction left to the others (one less its leverage), a
+/// sample all but decides a coefficient alone: without it the fit's normal matrix keeps
+/// that share of its determinant (`det(G - w z z') = det(G) (1 - h)`), as a pivot below
+/// [`MIN_SHAPE_CONDITION`] says the samples do not tell a column apart.
+const MIN_SHARE_LEFT: f64 = MIN_SHAPE_CONDITION;
 
 /// Samples in a row that seem alone and are too slow for the fit of requests alone that are
 /// left out; one more, and that fit starts afresh: a burst's last request is one now and
@@ -305,7 +307,7 @@ impl Sums {
 }
 
 /// How [`fit_shape`] treats the cost of cached tokens or of context.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 enum Hold {
     /// Fitted to the samples.
     Fitted,
@@ -327,7 +329,8 @@ struct AloneSample {
 /// The fit of the requests alone in `samples` (oldest first), each weighing `DECAY` to the
 /// power of the kept samples after it, with up to a quarter of them left out as
 /// [`MAX_ALONE_OUTLIER`]s, the slowest first, while more than [`MIN_ALONE_SAMPLES`] remain.
-/// None when no fit qualifies (see [`fit_shape`]).
+/// None when no fit of them all qualifies (see [`fit_shape`]); outliers are looked for only
+/// in a fit.
 fn fit_alone(samples: &VecDeque<AloneSample>, known: Shape) -> Option<Fit> {
     let fit_of = |kept: &[bool]| {
         let mut weight = 1.0;
@@ -385,16 +388,18 @@ fn surprise(took: f64, expected: f64) -> f64 {
 
 /// The shape of requests alone, from `samples` and their weights. The fixed cost and the
 /// computed tokens are always fitted. The cost of cached tokens and that of context are
-/// each fitted or held at zero when the samples tell it apart from those two (one of them
-/// fitted with them passes [`MIN_SHAPE_CONDITION`]), else held at `known`'s figure: four
-/// fits at most. Of those with no coefficient below zero, the one that best predicts each
-/// sample from the others (the weighted squared error of leaving each out in turn) is
-/// taken; None if there is none. A term the samples barely tell apart (the context of cold
-/// prefills of 512 to 4,096 tokens, nearly the square of their size) fits their noise as
-/// well as their cost, and predicts the sample left out badly; one that a single sample
-/// decides predicts it not at all, and its fit is not taken. A term the samples do not tell
-/// apart is not held at zero: a hot prompt's requests, all of one shape, would explain
-/// their context by the speed and lose what other requests taught.
+/// each fitted or held at zero when the samples tell it apart from those two (fitted with
+/// them alone, its pivot is above [`MIN_SHAPE_CONDITION`] and no sample all but decides
+/// it, [`MIN_SHARE_LEFT`]), else held at `known`'s figure: four fits at most. Of those with
+/// no coefficient below zero, the one that best predicts each sample from the others (the
+/// weighted squared error of leaving each out in turn) is taken; a fit that a sample all
+/// but decides is not. A term the samples barely tell apart (the context of cold prefills
+/// of 512 to 4,096 tokens, nearly the square of their size) fits their noise as well as
+/// their cost, and predicts the sample left out badly. When none of those fits qualifies
+/// (both terms told apart alone but not together, or a coefficient below zero in each),
+/// both are held at `known`'s figures; None if even that fit does not. A term the samples
+/// do not tell apart is not held at zero: a hot prompt's requests, all of one shape, would
+/// explain their context by the speed and lose what other requests taught.
 ///
 /// Fitted to their squared error alone, with only the fits of every term and those holding
 /// one term at zero, the requests alone on real vLLM 0.24.0 of the e2e check found none
@@ -410,13 +415,27 @@ fn fit_shape(samples: &[(AloneSample, f64)], known: Shape) -> Option<Fit> {
     if !(seen(REQUESTS) && seen(COMPUTED)) {
         return None;
     }
-    let choices = |term: usize| {
+    // The fit, and how well it predicts each sample from the others (infinite when a
+    // sample all but decides a coefficient).
+    let judged = |cached: Hold, context: Hold| -> Option<(Fit, f64)> {
+        let columns = Columns::new(cached, context, known);
+        let solved = columns.solve(&sums)?;
+        let fit = columns.fit(&solved.coefficients)?;
+        Some((fit, columns.left_out_error(&solved, samples)))
+    };
+    let told_apart = |term: usize| {
         let alone = if term == CACHED {
             Columns::new(Hold::Fitted, Hold::Zero, known)
         } else {
             Columns::new(Hold::Zero, Hold::Fitted, known)
         };
-        if seen(term) && alone.solve(&sums).is_some() {
+        seen(term)
+            && alone
+                .solve(&sums)
+                .is_some_and(|solved| alone.left_out_error(&solved, samples).is_finite())
+    };
+    let choices = |term: usize| {
+        if told_apart(term) {
             &[Hold::Fitted, Hold::Zero][..]
         } else {
             &[Hold::Known][..]
@@ -430,14 +449,10 @@ fn fit_shape(samples: &[(AloneSample, f64)], known: Shape) -> Option<Fit> {
                 .iter()
                 .map(move |&context| (cached, context))
         })
-        .filter_map(|(cached, context)| {
-            let columns = Columns::new(cached, context, known);
-            let solved = columns.solve(&sums)?;
-            let fit = columns.fit(&solved.coefficients)?;
-            let error = columns.left_out_error(&solved, samples);
-            error.is_finite().then_some((fit, error))
-        })
+        .filter_map(|(cached, context)| judged(cached, context))
+        .filter(|(_, error)| error.is_finite())
         .min_by(|a, b| a.1.total_cmp(&b.1))
+        .or_else(|| judged(Hold::Known, Hold::Known))
         .map(|(fit, _)| fit)
 }
 
@@ -457,7 +472,9 @@ struct Columns {
 /// A fit's coefficients, by column, and the inverse of its normal matrix (what a sample's
 /// leverage is read from).
 struct Solved {
+    /// By column.
     coefficients: Vec<f64>,
+    /// The normal matrix's inverse, row by row.
     inverse: Vec<Vec<f64>>,
 }
 
@@ -499,7 +516,8 @@ impl Columns {
             .collect()
     }
 
-    /// The fit of `coefficients`, if none is below zero.
+    /// The fit of `coefficients`, if none is below zero and the computed tokens cost
+    /// something.
     fn fit(&self, coefficients: &[f64]) -> Option<Fit> {
         if coefficients.iter().any(|c| *c < 0.0) {
             return None;
@@ -529,14 +547,13 @@ impl Columns {
 
     /// The weighted squared error of predicting each sample from the others: its residual
     /// over one less its leverage (its own weight in its prediction), as refitting without
-    /// it gives. Infinite when a sample alone decides a coefficient.
+    /// it gives. Infinite when a sample all but decides a coefficient ([`MIN_SHARE_LEFT`]).
     fn left_out_error(&self, solved: &Solved, samples: &[(AloneSample, f64)]) -> f64 {
+        let dot = |a: &[f64], b: &[f64]| -> f64 { a.iter().zip(b).map(|(x, y)| x * y).sum() };
         samples
             .iter()
             .map(|(sample, weight)| {
                 let values = self.values(&sample.x);
-                let dot =
-                    |a: &[f64], b: &[f64]| -> f64 { a.iter().zip(b).map(|(x, y)| x * y).sum() };
                 let predicted = dot(&values, &solved.coefficients);
                 let leverage: f64 = weight
                     * values
@@ -1363,6 +1380,72 @@ mod tests {
                 "{ratio} {kept:?} {learned:?}"
             );
         }
+    }
+
+    #[test]
+    fn each_sample_is_predicted_from_the_others_as_refitting_without_it_does() {
+        let noise = |k: f64| 1.0 + 0.1 * (k * 1.7).sin();
+        let samples: Vec<(AloneSample, f64)> = CHAT
+            .iter()
+            .chain(&CHAT)
+            .enumerate()
+            .map(|(i, &(k, c))| {
+                let sample = AloneSample {
+                    x: features(1.0, k, c),
+                    t: large(k, c) * noise(k + c),
+                };
+                (sample, DECAY.powi(i32::try_from(i).unwrap_or(0)))
+            })
+            .collect();
+        let mut sums = Sums::default();
+        for (sample, weight) in &samples {
+            sums.add(sample.x, sample.t, *weight, 1.0);
+        }
+        let columns = Columns::new(Hold::Fitted, Hold::Fitted, Shape::DEFAULT);
+        let solved = columns.solve(&sums).unwrap();
+        let refitted: f64 = samples
+            .iter()
+            .map(|(sample, weight)| {
+                let mut others = sums;
+                others.add(sample.x, sample.t, -weight, 1.0);
+                let without = columns.solve(&others).unwrap();
+                let predicted: f64 = columns
+                    .values(&sample.x)
+                    .iter()
+                    .zip(&without.coefficients)
+                    .map(|(v, c)| v * c)
+                    .sum();
+                weight * (sample.t - predicted).powi(2)
+            })
+            .sum();
+        let closed = columns.left_out_error(&solved, &samples);
+        assert!(
+            (closed / refitted - 1.0).abs() < 1e-6,
+            "{closed} {refitted}"
+        );
+    }
+
+    #[test]
+    fn a_cost_one_request_alone_shows_is_held_at_what_was_known() {
+        // Cold prompts of five sizes, then one continuation: the only request with cached
+        // tokens decides their cost alone, so it is not fitted (nor taken to be zero).
+        let mut learner = SpeedLearner::default();
+        feed_shapes(
+            &mut learner,
+            &[
+                (512.0, 0.0),
+                (1024.0, 0.0),
+                (2048.0, 0.0),
+                (4096.0, 0.0),
+                (768.0, 0.0),
+                (3072.0, 0.0),
+                (320.0, 4096.0),
+            ],
+            large,
+        );
+        let speed = learner.measured().unwrap();
+        assert_eq!(speed.cached_token_cost, Shape::DEFAULT.cached, "{speed:?}");
+        assert!(speed.context_cost > 0.0, "{speed:?}");
     }
 
     #[test]

@@ -119,7 +119,14 @@ pub fn spawn_announcing(
     quiet: bool,
 ) -> (Child, String) {
     static SPAWNED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let kept = std::env::var_os(CHILD_LOGS_ENV).map(std::path::PathBuf::from);
+    let kept = std::env::var_os(CHILD_LOGS_ENV)
+        .filter(|dir| !dir.is_empty())
+        .map(std::path::PathBuf::from);
+    if let Some(dir) = &kept {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("{CHILD_LOGS_ENV}: cannot create {}: {e}", dir.display());
+        }
+    }
     let log = kept
         .clone()
         .unwrap_or_else(std::env::temp_dir)
@@ -162,7 +169,7 @@ pub fn spawn_announcing(
             let tail: Vec<&str> = said.lines().rev().take(5).collect();
             line = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
         }
-        // The child keeps writing to the unlinked file; nothing is left behind.
+        // Unless kept, the child writes on to the unlinked file and nothing is left behind.
         if kept.is_none() {
             let _ = std::fs::remove_file(&log);
         }
